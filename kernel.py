@@ -1,0 +1,346 @@
+"""
+Fused LM-head matmul + per-token log-prob + entropy, in Triton, forward and backward.
+
+    z    = hidden @ weight.T / temperature            # (N, V), never stored
+    lse  = logsumexp(z)                               # (N,)
+    logp = z[target] - lse                            # (N,)
+    ent  = lse - sum(softmax(z) * z)                  # (N,)
+
+A GRPO step needs logp (and often ent) for every generated token. Doing it with full logits holds N x V floats
+(16k tokens x 128k vocab = 8 GiB in fp32, several copies through autograd). Here the logits live only in
+registers, one (BLOCK_N, BLOCK_V) tile at a time:
+
+forward  (_fwd_kernel): the grid is (row blocks) x (vocab splits). Each program runs a K-loop of tl.dot over H for
+    each vocab block of its split and folds the tile into running per-row stats, max-shifted:
+        m  = running max,  s = sum exp(z - m),  w = sum exp(z - m) * (z - m)
+    when the max moves m -> m', both sums are rescaled by a = exp(m - m'):  s' = a*s,  w' = a*(w + (m - m')*s).
+    Keeping w relative to m keeps entropy exact under a large common offset on all logits. Per-split stats are
+    combined in torch (tiny, (splits, N)): lse = M + log S,  ent = log S - W / S.
+backward (per vocab chunk [v_lo, v_hi), bounded workspace ws (N, Vc) in the input dtype):
+    _bwd_dz_kernel recomputes the logits tile and writes, with the upstream grads g, g_ent folded in,
+        dz = (g * (onehot - p) - g_ent * p * (z - sum(p*z))) / T,    z - sum(p*z) = log p + ent
+    (the entropy gradient never goes through log p as a divisor: no NaN at p = 0), then
+        dW[v_lo:v_hi]  = ws^T @ hidden        cuBLAS, one GEMM over all N tokens: fp32 accumulate, one rounding
+        dH32          += ws @ weight[v_lo:v_hi]  _mm_acc_kernel: fp32 accumulator (N, H) kept across chunks
+    Vocab chunks (not row chunks) because N < V: the cross-chunk fp32 accumulator is then (N, H), not (V, H).
+    Extra memory = N*H*4 (dH32) + N*Vc*elt (ws) <= EXTRA_BYTES, plus (4, splits, N) fp32 in the forward.
+
+Exact and reproducible: fp32 accumulation everywhere, no gradient filtering, no atomics, fixed block sizes (a
+table keyed on dtype, no autotuning), so a rerun gives the same bits. Offsets into hidden/weight/workspace are
+int64. Vocab columns past V in the last block are -inf (not 0, which would inflate lse: verl #2656).
+
+Runs on CUDA (bf16/fp16 on tensor cores, fp32 with input_precision="ieee", not tf32), or on CPU tensors under
+TRITON_INTERPRET=1, which must be set before this module is imported (fp32/fp16 only: the interpreter's tl.dot is
+wrong on bf16, triton #11584). On a CPU without TRITON_INTERPRET=1, fused_logprobs raises RuntimeError: use
+logprobs.token_logprobs(..., impl="chunked") there.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once: triton.jit reads it at decoration time
+
+# block sizes, keyed on dtype (no autotune: reproducible bits and no startup cost). BLOCK_N rows x BLOCK_V vocab
+# logits tile, BLOCK_K along H; the same tile shape serves the dH accumulate GEMM (rows x H-columns).
+CONFIGS = {
+    torch.bfloat16: dict(BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3),
+    torch.float16: dict(BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3),
+    torch.float32: dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=32, num_warps=4, num_stages=3),
+}
+GROUP_N = 16  # row blocks that walk the vocab together, so their weight tiles are shared through L2
+EXTRA_BYTES = 480 * 2**20  # backward: dH32 + workspace, stays under 0.5 GiB at the benchmark shapes
+PART_BYTES = 64 * 2**20  # forward: per-split partial stats (4, splits, N) fp32
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton kernels
+
+
+@triton.jit
+def _swizzle(pid, num_pid_n, num_pid_v, GROUP_N: tl.constexpr):
+    # grouped order (Triton matmul tutorial): GROUP_N row blocks sweep the vocab side by side -> L2 reuse
+    num_pid_in_group = GROUP_N * num_pid_v
+    group_id = pid // num_pid_in_group
+    first_pid_n = group_id * GROUP_N
+    group_size = min(num_pid_n - first_pid_n, GROUP_N)
+    pid_n = first_pid_n + (pid % num_pid_in_group) % group_size
+    pid_v = (pid % num_pid_in_group) // group_size
+    return pid_n, pid_v
+
+
+@triton.jit
+def _logits_tile(h_ptr, w_ptr, offs_n, offs_v, H, stride_hn, stride_hk, stride_wv, stride_wk,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # (BLOCK_N, BLOCK_V) fp32 tile of hidden @ weight.T; offs_n/offs_v are int64 and already clamped in bounds
+    offs_k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + offs_n[:, None] * stride_hn + offs_k[None, :] * stride_hk  # (BLOCK_N, BLOCK_K)
+    w_ptrs = w_ptr + offs_v[None, :] * stride_wv + offs_k[:, None] * stride_wk  # (BLOCK_K, BLOCK_V)
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(h_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            a = tl.load(h_ptrs, mask=offs_k[None, :] < H - k0, other=0.0)
+            b = tl.load(w_ptrs, mask=offs_k[:, None] < H - k0, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_K * stride_hk
+        w_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit
+def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, H, inv_temp, blocks_per_split, num_splits,
+                stride_hn, stride_hk, stride_wv, stride_wk, stride_pq, stride_ps,
+                ENTROPY: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
+    pid_n, pid_s = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_N)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_n = tl.where(mask_n, offs_n, N - 1)  # clamp: rows past N compute garbage that is never stored
+    tgt = tl.load(tgt_ptr + offs_n)
+    m_i = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)  # running max
+    s_i = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum exp(z - m)
+    w_i = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum exp(z - m) * (z - m)
+    zt_i = tl.zeros((BLOCK_N,), dtype=tl.float32)  # z[target] if the target is in this split, else 0
+    v_begin = pid_s * blocks_per_split * BLOCK_V
+    v_end = tl.minimum(v_begin + blocks_per_split * BLOCK_V, V)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        valid = offs_v < V
+        offs_v_ld = tl.where(valid, offs_v, V - 1).to(tl.int64)
+        z = _logits_tile(h_ptr, w_ptr, offs_n, offs_v_ld, H, stride_hn, stride_hk, stride_wv, stride_wk,
+                         BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION) * inv_temp
+        z = tl.where(valid[None, :], z, float("-inf"))  # padded vocab: -inf, exp() = 0
+        m_new = tl.maximum(m_i, tl.max(z, axis=1))
+        alpha = tl.exp(m_i - m_new)  # 0 on the first block (m_i = -inf)
+        e = tl.exp(z - m_new[:, None])
+        if ENTROPY:
+            zs = tl.where(valid[None, :], z - m_new[:, None], 0.0)  # z - m', 0 (not -inf*0 = nan) when padded
+            shift = tl.where(s_i > 0, m_i - m_new, 0.0)  # (m - m') * s, guarded: -inf * 0 on the first block
+            w_i = alpha * (w_i + shift * s_i) + tl.sum(e * zs, axis=1)
+        s_i = alpha * s_i + tl.sum(e, axis=1)
+        zt_i += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
+        m_i = m_new
+    out = part_ptr + pid_s.to(tl.int64) * stride_ps + offs_n  # part is (4, num_splits, N)
+    tl.store(out, m_i, mask=mask_n)
+    tl.store(out + stride_pq, s_i, mask=mask_n)
+    tl.store(out + 2 * stride_pq, w_i, mask=mask_n)
+    tl.store(out + 3 * stride_pq, zt_i, mask=mask_n)
+
+
+@triton.jit
+def _bwd_dz_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, g_ptr, gent_ptr, ws_ptr,
+                   N, V, H, v_lo, v_hi, inv_temp, stride_hn, stride_hk, stride_wv, stride_wk, stride_wsn,
+                   HAS_G: tl.constexpr, HAS_GENT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
+    pid_n, pid_v = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_n = tl.where(mask_n, offs_n, N - 1)
+    offs_v = v_lo + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_v = offs_v < v_hi
+    offs_v_ld = tl.where(mask_v, offs_v, v_hi - 1).to(tl.int64)
+    z = _logits_tile(h_ptr, w_ptr, offs_n, offs_v_ld, H, stride_hn, stride_hk, stride_wv, stride_wk,
+                     BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION) * inv_temp
+    lse = tl.load(lse_ptr + offs_n)
+    logp = z - lse[:, None]  # log p, all (BLOCK_N, BLOCK_V)
+    p = tl.exp(logp)
+    dz = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    if HAS_G:  # d logp_t / dz = onehot(t) - p
+        g = tl.load(g_ptr + offs_n)
+        tgt = tl.load(tgt_ptr + offs_n)
+        dz = g[:, None] * (tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0) - p)
+    if HAS_GENT:  # d ent / dz = -p * (z - sum(p*z)) = -p * (log p + ent)
+        ge = tl.load(gent_ptr + offs_n)
+        ent = tl.load(ent_ptr + offs_n)
+        dz -= ge[:, None] * p * (logp + ent[:, None])
+    dz = dz * inv_temp  # z = raw / T
+    ws_ptrs = ws_ptr + offs_n[:, None] * stride_wsn + (offs_v - v_lo)[None, :]
+    tl.store(ws_ptrs, dz.to(ws_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_v[None, :])
+
+
+@triton.jit
+def _mm_acc_kernel(a_ptr, b_ptr, c_ptr, M, NC, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                   EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # C (M, NC) fp32 += A (M, K) @ B (K, NC): dH32 += ws @ weight[v_lo:v_hi], accumulated in fp32 across chunks
+    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(NC, BLOCK_N), GROUP_M)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < NC
+    acc = _logits_tile(a_ptr, b_ptr, tl.where(mask_m, offs_m, M - 1), tl.where(mask_n, offs_n, NC - 1), K,
+                       stride_am, stride_ak, stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    tl.store(c_ptrs, acc + tl.load(c_ptrs, mask=mask, other=0.0), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checks and launch glue
+
+
+def check_inputs(hidden, weight, targets, temperature):
+    """ValueError saying what is wrong and what to pass instead; shared by every impl in logprobs.py."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be (V, H) like lm_head.weight, got shape {tuple(weight.shape)}")
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden (..., H) must have H = weight.shape[1] = {weight.shape[1]}, got shape "
+                         f"{tuple(hidden.shape)}; pass lm_head.weight (V, H), not its transpose")
+    if hidden.dtype != weight.dtype or hidden.dtype not in CONFIGS:
+        raise ValueError(f"hidden and weight must share one dtype of float32/float16/bfloat16, got "
+                         f"{hidden.dtype} and {weight.dtype}; cast one to the other")
+    if hidden.device != weight.device or targets.device != hidden.device:
+        raise ValueError(f"hidden, weight and targets must be on one device, got {hidden.device}, "
+                         f"{weight.device}, {targets.device}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden.shape[:-1] = "
+                         f"{tuple(hidden.shape[:-1])}")
+    if not isinstance(temperature, (int, float)) or not (0 < temperature < float("inf")):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    V = weight.shape[0]
+    if V == 0:
+        raise ValueError("weight has an empty vocabulary (V = 0)")
+    if targets.numel() > 0:
+        lo, hi = int(targets.min()), int(targets.max())  # one host sync
+        if lo < 0 or hi >= V:
+            raise ValueError(f"targets must be in [0, V={V}), got values in [{lo}, {hi}]; "
+                             f"mask padding ids (e.g. -100) to a valid id and drop them from the loss")
+
+
+def _launch_args(hidden, weight):
+    cfg = CONFIGS[hidden.dtype]
+    H = hidden.shape[1]
+    meta = dict(EVEN_K=H % cfg["BLOCK_K"] == 0, DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
+                BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"], GROUP_N=GROUP_N,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return cfg, meta
+
+
+def _forward(hidden, weight, targets, temperature, entropy):
+    # hidden (N, H), weight (V, H), targets (N,) int64 -> logp, ent (or None), lse: fp32 (N,)
+    N, H = hidden.shape
+    V = weight.shape[0]
+    cfg, meta = _launch_args(hidden, weight)
+    n_vblocks = triton.cdiv(V, cfg["BLOCK_V"])
+    max_splits = max(1, PART_BYTES // (16 * N))  # (4, splits, N) fp32 under PART_BYTES
+    blocks_per_split = triton.cdiv(n_vblocks, min(n_vblocks, max_splits))
+    num_splits = triton.cdiv(n_vblocks, blocks_per_split)
+    part = torch.empty((4, num_splits, N), dtype=torch.float32, device=hidden.device)
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]) * num_splits,)
+    _fwd_kernel[grid](hidden, weight, targets, part, N, V, H, 1.0 / temperature, blocks_per_split, num_splits,
+                      hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+                      part.stride(0), part.stride(1), ENTROPY=entropy, **meta)
+    m, s, w, zt = part.unbind(0)  # (splits, N) each
+    M = m.max(0).values  # merge the splits: same rescaling as inside the kernel
+    a = torch.exp(m - M)
+    S = (a * s).sum(0)
+    lse = M + torch.log(S)
+    logp = zt.sum(0) - lse  # exactly one split holds z[target], the rest add 0
+    ent = None
+    if entropy:
+        W = (a * (w + (m - M) * s)).sum(0)
+        ent = torch.log(S) - W / S  # lse - sum(p*z) = log S - sum(p*(z - M))
+    return logp, ent, lse
+
+
+def _backward(hidden, weight, targets, lse, ent, g, g_ent, temperature, need_dh, need_dw):
+    N, H = hidden.shape
+    V = weight.shape[0]
+    cfg, meta = _launch_args(hidden, weight)
+    BV = cfg["BLOCK_V"]
+    elt = hidden.element_size()
+    budget = EXTRA_BYTES - (N * H * 4 if need_dh else 0)
+    vc_max = max(BV, budget // (N * elt) // BV * BV)
+    n_chunks = triton.cdiv(V, vc_max)
+    Vc = triton.cdiv(triton.cdiv(V, n_chunks), BV) * BV  # equal chunks, each a multiple of BLOCK_V
+    ws = torch.empty((N, Vc), dtype=hidden.dtype, device=hidden.device)  # the bounded dz workspace
+    dH32 = torch.zeros((N, H), dtype=torch.float32, device=hidden.device) if need_dh else None
+    dW = torch.empty_like(weight) if need_dw else None
+    dummy = lse  # stands in for absent pointers (never read: HAS_G / HAS_GENT are constexpr False)
+    BN = cfg["BLOCK_N"]
+    for v_lo in range(0, V, Vc):
+        v_hi = min(v_lo + Vc, V)
+        grid = (triton.cdiv(N, BN) * triton.cdiv(v_hi - v_lo, BV),)
+        _bwd_dz_kernel[grid](hidden, weight, targets, lse, ent if ent is not None else dummy,
+                             g if g is not None else dummy, g_ent if g_ent is not None else dummy, ws,
+                             N, V, H, v_lo, v_hi, 1.0 / temperature, hidden.stride(0), hidden.stride(1),
+                             weight.stride(0), weight.stride(1), ws.stride(0),
+                             HAS_G=g is not None, HAS_GENT=g_ent is not None, **meta)
+        dz = ws[:, : v_hi - v_lo]  # (N, vc)
+        if need_dw:  # all N tokens in one GEMM: fp32 accumulate inside cuBLAS, one rounding
+            torch.mm(dz.t(), hidden, out=dW[v_lo:v_hi])
+        if need_dh:
+            w_c = weight[v_lo:v_hi]  # (vc, H)
+            grid = (triton.cdiv(N, BN) * triton.cdiv(H, BV),)
+            m2 = dict(meta, EVEN_K=(v_hi - v_lo) % cfg["BLOCK_K"] == 0)
+            m2["GROUP_M"] = m2.pop("GROUP_N")
+            m2["BLOCK_M"], m2["BLOCK_N"] = m2.pop("BLOCK_N"), m2.pop("BLOCK_V")
+            _mm_acc_kernel[grid](dz, w_c, dH32, N, H, v_hi - v_lo, dz.stride(0), dz.stride(1),
+                                 w_c.stride(0), w_c.stride(1), dH32.stride(0), **m2)
+    return (dH32.to(hidden.dtype) if need_dh else None), dW
+
+
+class _FusedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, entropy):
+        ctx.set_materialize_grads(False)  # absent upstream grads arrive as None: their work is skipped
+        if hidden.shape[0] == 0:
+            logp = hidden.new_zeros(0, dtype=torch.float32)
+            ent = hidden.new_zeros(0, dtype=torch.float32) if entropy else None
+            lse = logp
+        else:
+            logp, ent, lse = _forward(hidden, weight, targets, temperature, entropy)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.temperature = temperature
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g, g_ent):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # a zero upstream grad does no work: one host sync each, small next to the GEMMs
+        if g is not None and not bool(torch.any(g)):
+            g = None
+        if g_ent is not None and (ent is None or not bool(torch.any(g_ent))):
+            g_ent = None
+        if hidden.shape[0] == 0 or (g is None and g_ent is None):
+            return (torch.zeros_like(hidden) if need_dh else None,
+                    torch.zeros_like(weight) if need_dw else None, None, None, None)
+        g = g.contiguous().float() if g is not None else None
+        g_ent = g_ent.contiguous().float() if g_ent is not None else None
+        dH, dW = _backward(hidden, weight, targets, lse, ent, g, g_ent, ctx.temperature, need_dh, need_dw)
+        return dH, dW, None, None, None
+
+
+def fused_logprobs(hidden, weight, targets, temperature=1.0, entropy=True):
+    """
+    hidden (..., H), weight (V, H) of one dtype (float32/float16/bfloat16), targets (...) integer ids in [0, V).
+    Returns float32 (logp, ent) shaped like targets; ent is None when entropy=False (no entropy work then).
+    Differentiable w.r.t. hidden and weight; logp and ent each take their own per-token upstream gradient.
+    Never materializes N x V: backward uses a (N, Vc) workspace and an (N, H) fp32 accumulator, under
+    EXTRA_BYTES when N*H*4 leaves room (all benchmark shapes).
+    CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before import; otherwise RuntimeError (use
+    logprobs.token_logprobs(..., impl="chunked") on a CPU).
+    """
+    check_inputs(hidden, weight, targets, temperature)
+    if hidden.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError(f"fused_logprobs runs Triton kernels: it needs CUDA tensors (got {hidden.device}) or "
+                           f"TRITON_INTERPRET=1 set before importing kernel.py; on a CPU use "
+                           f"logprobs.token_logprobs(..., impl='chunked')")
+    if hidden.dtype == torch.bfloat16 and INTERPRET:
+        raise ValueError("bfloat16 under TRITON_INTERPRET gives wrong tl.dot results (triton #11584); "
+                         "use float32/float16 on a CPU or run on a GPU")
+    shape = targets.shape
+    h2 = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+    t1 = targets.reshape(-1).to(torch.int64).contiguous()  # (N,)
+    logp, ent = _FusedLogprobs.apply(h2, weight, t1, float(temperature), bool(entropy))
+    return logp.view(shape), (ent.view(shape) if ent is not None else None)
