@@ -49,7 +49,244 @@ def assert_raises(exc, fn, match):
 # kernel.py / logprobs.py
 # ----------------------------------------------------------------------------------------------------------------
 
-# (kernel checks go here)
+import kernel as _kernel  # noqa: E402  (after TRITON_INTERPRET is set above)
+import logprobs as _logprobs  # noqa: E402
+from kernel import fused_logprobs  # noqa: E402
+from logprobs import token_logprobs  # noqa: E402
+
+
+def _kl_ref(h, w, t, T, g, g_ent, entropy=True):
+    """float64 autograd reference: logp, ent, dH, dW"""
+    h = h.detach().double().requires_grad_()
+    w = w.detach().double().requires_grad_()
+    z = h @ w.t() / T
+    lse = z.logsumexp(-1)
+    logp = z.gather(-1, t.unsqueeze(-1)).squeeze(-1) - lse
+    ent = lse - (z.softmax(-1) * z).sum(-1)
+    loss = (logp * g.double()).sum() + ((ent * g_ent.double()).sum() if entropy else 0)
+    dh, dw = torch.autograd.grad(loss, (h, w))
+    return logp, ent, dh, dw
+
+
+def _kl_data(N, H, V, dtype, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, H, generator=gen).to(DEVICE, dtype).requires_grad_()
+    w = (torch.randn(V, H, generator=gen) * scale / H**0.5).to(DEVICE, dtype).requires_grad_()
+    t = torch.randint(0, V, (N,), generator=gen).to(DEVICE)
+    t[0], t[-1] = 0, V - 1  # both ends of the vocab
+    g, g_ent = torch.randn(N, generator=gen).to(DEVICE), torch.randn(N, generator=gen).to(DEVICE)
+    return h, w, t, g, g_ent
+
+
+def _kl_run(fn, h, w, t, T, g, g_ent, entropy=True):
+    logp, ent = fn(h, w, t, T, entropy)
+    outs, grads = (logp, ent) if entropy else (logp,), (g, g_ent) if entropy else (g,)
+    wrt = [x for x in (h, w) if x.requires_grad]
+    return (logp, ent, *torch.autograd.grad(outs, wrt, grads))
+
+
+def _kl_compare(got, want, tol_out, tol_grad, name):
+    for a, b, n, tol in zip(got, want, ("logp", "ent", "dH", "dW"), (tol_out, tol_out, tol_grad, tol_grad)):
+        assert_close(a, b, tol, f"{name} {n}")
+
+
+def _kl_dtypes():
+    return (torch.float32, torch.float16, torch.bfloat16) if GPU else (torch.float32, torch.float16)
+
+
+_KL_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-5, 2e-3), torch.bfloat16: (1e-5, 2e-2)}
+
+
+@check
+def test_kernel_ragged_shapes_vs_fp64():
+    # N, H, V multiples of no block size; temperatures 0.7 and 1.3; targets 0 and V-1
+    for dtype in _kl_dtypes():
+        for T in (0.7, 1.3):
+            h, w, t, g, ge = _kl_data(37, 48, 1003, dtype, seed=int(T * 10), scale=3.0)
+            got = _kl_run(fused_logprobs, h, w, t, T, g, ge)
+            assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
+            assert got[2].dtype == dtype and got[3].dtype == dtype
+            _kl_compare(got, _kl_ref(h, w, t, T, g, ge), *_KL_TOL[dtype], f"{dtype} T={T}")
+            assert (got[0] <= 0).all(), "positive log-prob"
+
+
+@check
+def test_kernel_many_splits_and_chunks():
+    # force several vocab blocks per split in the forward (the online rescale across blocks) and several
+    # backward vocab chunks with a ragged last one (the fp32 dH accumulation across chunks)
+    saved = _kernel.PART_BYTES, _kernel.EXTRA_BYTES
+    try:
+        for dtype in _kl_dtypes():
+            bv = _kernel.CONFIGS[dtype]["BLOCK_V"]
+            N, H, V = 70, 40, 5 * bv + 17
+            _kernel.PART_BYTES = 16 * N * 2  # 2 splits of 3 blocks
+            _kernel.EXTRA_BYTES = N * H * 4 + N * bv * 2 * 4  # vocab chunks of 2 blocks (fp32: of 1)
+            h, w, t, g, ge = _kl_data(N, H, V, dtype, seed=3, scale=4.0)
+            got = _kl_run(fused_logprobs, h, w, t, 1.0, g, ge)
+            _kl_compare(got, _kl_ref(h, w, t, 1.0, g, ge), *_KL_TOL[dtype], f"{dtype}")
+    finally:
+        _kernel.PART_BYTES, _kernel.EXTRA_BYTES = saved
+
+
+@check
+def test_kernel_peaked_and_offset_logits():
+    N, H, V = 33, 24, 777
+    h, w, t, g, ge = _kl_data(N, H, V, torch.float32, seed=5)
+    with torch.no_grad():
+        # rows 0..9: one logit ~60 above the rest (softmax is one-hot in fp32, entropy ~0)
+        w[100] = 0.0
+        w[100, 0] = 1.0
+        h[:10] = 0.0
+        h[:10, 0] = 60.0
+        t[:5] = 100
+        # last column: a common offset of 300 on every logit of rows 10.. (lse and sum(p*z) both ~300)
+        w[:, -1] = 1.0
+        h[10:, -1] = 300.0
+    got = _kl_run(fused_logprobs, h, w, t, 1.0, g, ge)
+    want = _kl_ref(h, w, t, 1.0, g, ge)
+    assert_close(got[0], want[0], 1e-5, "logp")
+    assert_close(got[1][10:], want[1][10:], 1e-5, "ent (offset rows)")
+    assert (got[1][:10].abs() < 1e-6).all(), f"entropy of peaked rows {got[1][:10]}"
+    assert_close(got[2], want[2], 1e-5, "dH")
+    assert_close(got[3], want[3], 1e-5, "dW")
+
+
+@check
+def test_kernel_entropy_off_and_one_sided_grads():
+    for dtype in _kl_dtypes():
+        tol_out, tol_grad = _KL_TOL[dtype]
+        h, w, t, g, ge = _kl_data(37, 48, 1003, dtype, seed=7, scale=2.0)
+        ref = _kl_ref(h, w, t, 1.3, g, ge, entropy=False)
+        logp, ent = fused_logprobs(h, w, t, 1.3, entropy=False)
+        assert ent is None
+        assert_close(logp, ref[0], tol_out, "logp (entropy off)")
+        dh, dw = torch.autograd.grad(logp, (h, w), g)
+        assert_close(dh, ref[2], tol_grad, "dH (entropy off)")
+        assert_close(dw, ref[3], tol_grad, "dW (entropy off)")
+        ref = _kl_ref(h, w, t, 1.3, g, ge)
+        only_h = _kl_run(fused_logprobs, h, w.detach(), t, 1.3, g, ge)
+        assert len(only_h) == 3
+        assert_close(only_h[2], ref[2], tol_grad, "dH (weight frozen)")
+        only_w = _kl_run(fused_logprobs, h.detach(), w, t, 1.3, g, ge)
+        assert_close(only_w[2], ref[3], tol_grad, "dW (hidden frozen)")
+
+
+@check
+def test_kernel_absent_or_zero_grads():
+    h, w, t, g, ge = _kl_data(37, 48, 1003, torch.float32, seed=8, scale=2.0)
+    zero = torch.zeros_like(ge)
+    want = _kl_ref(h, w, t, 1.0, g, zero)
+    logp, ent = fused_logprobs(h, w, t)
+    absent = torch.autograd.grad(logp, (h, w), g, retain_graph=True)  # ent unused: its grad is None
+    zeroed = torch.autograd.grad((logp, ent), (h, w), (g, zero))
+    for a, b, n in zip(absent + zeroed, want[2:] * 2, ("dH absent", "dW absent", "dH zero", "dW zero")):
+        assert_close(a, b, 1e-5, n)
+    want = _kl_ref(h, w, t, 1.0, torch.zeros_like(g), ge)  # only the entropy is used
+    logp, ent = fused_logprobs(h, w, t)
+    got = torch.autograd.grad(ent, (h, w), ge)
+    assert_close(got[0], want[2], 1e-5, "dH (ent only)")
+    assert_close(got[1], want[3], 1e-5, "dW (ent only)")
+
+
+@check
+def test_kernel_rerun_bitwise_equal():
+    dtype = torch.bfloat16 if GPU else torch.float16
+    h, w, t, g, ge = _kl_data(150, 96, 2100, dtype, seed=9, scale=3.0)
+    a = _kl_run(fused_logprobs, h, w, t, 0.9, g, ge)
+    b = _kl_run(fused_logprobs, h, w, t, 0.9, g, ge)
+    for x, y, n in zip(a, b, ("logp", "ent", "dH", "dW")):
+        assert torch.equal(x, y), f"{n} differs between two identical runs"
+
+
+@check
+def test_kernel_nd_and_empty():
+    h, w, t, g, ge = _kl_data(12, 40, 300, torch.float32, seed=10)
+    h3 = h.detach().view(3, 4, 40).requires_grad_()
+    logp, ent = fused_logprobs(h3, w, t.view(3, 4), 1.0)
+    assert logp.shape == (3, 4) and ent.shape == (3, 4)
+    want = _kl_ref(h, w, t, 1.0, g, ge)
+    assert_close(logp.reshape(-1), want[0], 1e-5, "logp (3, 4)")
+    dh, = torch.autograd.grad((logp, ent), (h3,), (g.view(3, 4), ge.view(3, 4)))
+    assert_close(dh.reshape(12, 40), want[2], 1e-5, "dH (3, 4)")
+    he = torch.zeros(2, 0, 40, device=DEVICE, requires_grad=True)
+    logp, ent = fused_logprobs(he, w, torch.zeros(2, 0, dtype=torch.long, device=DEVICE))
+    assert logp.shape == (2, 0) and ent.shape == (2, 0) and logp.dtype == torch.float32
+    dh, dw = torch.autograd.grad((logp.sum() + ent.sum()), (he, w), allow_unused=True)
+    assert dh.shape == he.shape and (dw is None or not dw.any())
+
+
+@check
+def test_kernel_bad_inputs_raise():
+    h, w, t, _, _ = _kl_data(5, 16, 50, torch.float32)
+    bad = [
+        (lambda: fused_logprobs(h[:, :8], w, t), "H"),
+        (lambda: fused_logprobs(h, w.t(), t), "H"),
+        (lambda: fused_logprobs(h.half(), w, t), "dtype"),
+        (lambda: fused_logprobs(h.double(), w.double(), t), "dtype"),
+        (lambda: fused_logprobs(h, w.to("meta"), t), "device"),
+        (lambda: fused_logprobs(h, w, t.float()), "integer"),
+        (lambda: fused_logprobs(h, w, t[:4]), "shape"),
+        (lambda: fused_logprobs(h, w, torch.full_like(t, 50)), "[0, V=50)"),
+        (lambda: fused_logprobs(h, w, torch.full_like(t, -100)), "[0, V=50)"),
+        (lambda: fused_logprobs(h, w, t, 0.0), "temperature"),
+        (lambda: fused_logprobs(h, w, t, -1.0), "temperature"),
+        (lambda: fused_logprobs(h, w, t, float("nan")), "temperature"),
+        (lambda: token_logprobs(h, w, t, impl="cce"), "impl"),
+    ]
+    for fn, match in bad:
+        assert_raises(ValueError, fn, match)
+    for impl in ("naive", "chunked"):
+        assert_raises(ValueError, lambda: token_logprobs(h, w, torch.full_like(t, 50), impl=impl), "[0, V=50)")
+    saved = _kernel.INTERPRET
+    try:  # a CPU tensor without the interpreter: a clear error naming the way out
+        _kernel.INTERPRET = False
+        assert_raises(RuntimeError, lambda: fused_logprobs(h.cpu(), w.cpu(), t.cpu()), "impl='chunked'")
+    finally:
+        _kernel.INTERPRET = saved
+
+
+@check
+def test_logprobs_naive_and_chunked_vs_fp64():
+    saved = _logprobs.CHUNK_BYTES
+    try:
+        _logprobs.CHUNK_BYTES = 4 * 1003 * 8  # chunks of 8 rows: 5 chunks, the last ragged
+        for dtype in _kl_dtypes():
+            tol_out = 1e-5 if dtype == torch.float32 else 2e-3  # logits rounded to dtype before fp32
+            tol_grad = _KL_TOL[dtype][1] * (1 if dtype == torch.float32 else 5)
+            h, w, t, g, ge = _kl_data(37, 48, 1003, dtype, seed=11, scale=3.0)
+            want = _kl_ref(h, w, t, 1.3, g, ge)
+            for impl in ("naive", "chunked", "fused"):
+                fn = lambda *a, impl=impl: token_logprobs(*a, impl=impl)  # noqa: E731
+                got = _kl_run(fn, h, w, t, 1.3, g, ge)
+                tols = _KL_TOL[dtype] if impl == "fused" else (tol_out, tol_grad)
+                _kl_compare(got, want, *tols, f"{impl} {dtype}")
+            logp, ent = token_logprobs(h, w, t, 1.3, entropy=False, impl="chunked")
+            assert ent is None
+            assert_close(logp, want[0], tol_out, "chunked logp (entropy off)")
+    finally:
+        _logprobs.CHUNK_BYTES = saved
+
+
+if GPU:
+    @check
+    def test_kernel_int64_offsets_gpu():
+        # N * V >= 2**31: flat offsets into an (N, V) index space overflow int32
+        N, H, V = 16500, 64, 131072
+        h, w, t, g, ge = _kl_data(N, H, V, torch.bfloat16, seed=12, scale=3.0)
+        got = _kl_run(fused_logprobs, h, w, t, 1.0, g, ge)
+        want = _logprobs.reference(h.detach(), w.detach(), t, 1.0, g, ge, torch.float32)
+        _kl_compare(got, want, 1e-5, 2e-2, "int64")
+
+    @check
+    def test_kernel_bf16_grads_no_worse_than_naive_gpu():
+        h, w, t, g, ge = _kl_data(2048, 1024, 32000, torch.bfloat16, seed=13, scale=4.0)
+        want = _logprobs.reference(h.detach(), w.detach(), t, 1.0, g, ge, torch.float64)
+        fused = _kl_run(fused_logprobs, h, w, t, 1.0, g, ge)
+        naive = _kl_run(lambda *a: token_logprobs(*a, impl="naive"), h, w, t, 1.0, g, ge)
+        for i, n in enumerate(("logp", "ent", "dH", "dW")):
+            ef = assert_close(fused[i], want[i], 1e-5 if i < 2 else 2e-2, f"fused {n}")
+            en = assert_close(naive[i], want[i], 1.0, f"naive {n}")
+            assert ef <= en * 1.05, f"fused {n} error {ef:.2e} worse than naive bf16 {en:.2e}"
 
 # ----------------------------------------------------------------------------------------------------------------
 # kv_reuse.py

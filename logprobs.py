@@ -1,0 +1,286 @@
+"""
+Per-token log-probs and entropies of the LM head, three ways, one signature:
+
+    token_logprobs(hidden, weight, targets, temperature=1.0, entropy=True, impl="fused") -> (logp, ent)
+
+hidden (..., H) and weight (V, H) (lm_head.weight) of one dtype, targets (...) integer ids; logp and ent are
+float32 shaped like targets (ent is None when entropy=False). Meaning: z = hidden @ weight.T / temperature,
+logp = z[target] - logsumexp(z), ent = logsumexp(z) - sum(softmax(z) * z).
+
+    naive    full (N, V) logits, upcast to fp32 after the matmul, the way TRL does it: simple, O(N*V) memory
+    chunked  torch, rows in chunks (chunk x V fp32 logits at a time), logits recomputed chunk by chunk in
+             backward; dW is accumulated chunk by chunk in the weight's dtype with addmm_ (as Liger does), so
+             bf16 dW takes one rounding per chunk. Runs anywhere torch runs: the CPU choice.
+    fused    kernel.fused_logprobs: Triton, logits never leave registers, fp32 accumulation throughout.
+             Needs CUDA, or CPU tensors with TRITON_INTERPRET=1 set before kernel.py is imported; otherwise it
+             raises RuntimeError telling you to pass impl="chunked" (no silent fallback).
+
+`python logprobs.py` benchmarks them (GPU: four LM-head shapes in bf16; CPU: one small fp32 shape): ms fwd+bwd
+(median), peak GiB beyond inputs and grads, relative error of logp/ent/dH/dW against a chunked fp32 reference
+(fp64 on CPU), and the four cuBLAS GEMMs of the same shape (the floor any recompute scheme pays) with each impl's
+ratio to it. Prints a table, then one JSON line.
+"""
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+if __name__ == "__main__" and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the benchmark on a CPU runs the fused kernel interpreted
+
+from kernel import check_inputs, fused_logprobs  # noqa: E402
+
+CHUNK_BYTES = 512 * 2**20  # chunked impl: fp32 logits per row chunk
+
+
+def _logits(hidden, weight, temperature):
+    # (n, H) @ (H, V) in the input dtype (tensor cores), then fp32: what a model's lm_head + .float() gives
+    return (hidden @ weight.t()).float() / temperature
+
+
+def naive_logprobs(hidden, weight, targets, temperature=1.0, entropy=True):
+    check_inputs(hidden, weight, targets, temperature)
+    z = _logits(hidden, weight, temperature)  # (..., V) fp32, all of it
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1) - lse
+    ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if entropy else None  # TRL's entropy_from_logits
+    return logp, ent
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, entropy):
+        # hidden (N, H), weight (V, H), targets (N,) int64
+        ctx.set_materialize_grads(False)
+        N, C = hidden.shape[0], _chunk_rows(weight.shape[0])
+        logp = hidden.new_empty(N, dtype=torch.float32)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if entropy else None
+        for r0 in range(0, N, C):
+            z = _logits(hidden[r0:r0 + C], weight, temperature)  # (C, V) fp32
+            lse_c = torch.logsumexp(z, dim=-1)
+            logp[r0:r0 + C] = z.gather(1, targets[r0:r0 + C, None])[:, 0] - lse_c
+            lse[r0:r0 + C] = lse_c
+            if entropy:  # -sum p log p: no cancellation between two large terms under a common offset
+                logp_all = z - lse_c[:, None]
+                ent[r0:r0 + C] = -(logp_all.exp() * logp_all).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.temperature = temperature
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g, g_ent):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        T = ctx.temperature
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dH = torch.zeros_like(hidden) if need_dh else None
+        dW = torch.zeros_like(weight) if need_dw else None
+        if g_ent is not None and ent is None:
+            g_ent = None
+        if g is None and g_ent is None:
+            return dH, dW, None, None, None
+        N, C = hidden.shape[0], _chunk_rows(weight.shape[0])
+        for r0 in range(0, N, C):
+            h_c, sl = hidden[r0:r0 + C], slice(r0, r0 + C)
+            logp_all = _logits(h_c, weight, T) - lse[sl, None]  # (C, V) log p
+            p = logp_all.exp()
+            dz = torch.zeros_like(p)
+            if g is not None:  # g * (onehot - p)
+                dz -= g[sl, None] * p
+                dz.scatter_add_(1, targets[sl, None], g[sl, None].float())
+            if g_ent is not None:  # -g_ent * p * (z - sum p z) = -g_ent * p * (log p + ent)
+                dz -= g_ent[sl, None] * p * (logp_all + ent[sl, None])
+            dz = (dz / T).to(hidden.dtype)
+            if need_dh:
+                dH[sl] = dz @ weight
+            if need_dw:
+                dW.addmm_(dz.t(), h_c)
+        return dH, dW, None, None, None
+
+
+def _chunk_rows(V):
+    return max(1, CHUNK_BYTES // (4 * V))
+
+
+def chunked_logprobs(hidden, weight, targets, temperature=1.0, entropy=True):
+    check_inputs(hidden, weight, targets, temperature)
+    shape = targets.shape
+    h2 = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+    t1 = targets.reshape(-1).to(torch.int64).contiguous()  # (N,)
+    logp, ent = _ChunkedLogprobs.apply(h2, weight, t1, float(temperature), bool(entropy))
+    return logp.view(shape), (ent.view(shape) if ent is not None else None)
+
+
+IMPLS = {"naive": naive_logprobs, "chunked": chunked_logprobs, "fused": fused_logprobs}
+
+
+def token_logprobs(hidden, weight, targets, temperature=1.0, entropy=True, impl="fused"):
+    """Dispatch to one of IMPLS; same signature and return as kernel.fused_logprobs."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
+    return IMPLS[impl](hidden, weight, targets, temperature, entropy)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# benchmark
+
+GPU_SHAPES = [  # (name, N tokens, H, V)
+    ("Llama-3-8B", 16384, 4096, 128256),
+    ("Qwen2.5-7B", 16384, 3584, 152064),
+    ("Gemma-2-2B", 8192, 2304, 256000),
+    ("Qwen2.5-0.5B", 32768, 896, 151936),
+]
+CPU_SHAPES = [("tiny-cpu", 256, 128, 4096)]  # the fused kernel runs interpreted here
+REF_ROWS = 1024  # reference chunk
+
+
+def reference(hidden, weight, targets, temperature, g, g_ent, dtype):
+    """logp, ent, dH, dW in `dtype` (fp32 on GPU, no tf32; fp64 on CPU), rows in chunks so it fits."""
+    w = weight.to(dtype)
+    N = hidden.shape[0]
+    logp, ent = torch.empty(N, dtype=dtype, device=w.device), torch.empty(N, dtype=dtype, device=w.device)
+    dH, dW = torch.empty(hidden.shape, dtype=dtype, device=w.device), torch.zeros_like(w)
+    for r0 in range(0, N, REF_ROWS):
+        sl = slice(r0, r0 + REF_ROWS)
+        h = hidden[sl].to(dtype)
+        z = h @ w.t() / temperature  # (C, V)
+        lse = torch.logsumexp(z, -1)
+        lp = z - lse[:, None]
+        p = lp.exp()
+        logp[sl] = lp.gather(1, targets[sl, None])[:, 0]
+        ent[sl] = -(p * lp).sum(-1)
+        dz = -g[sl, None].to(dtype) * p
+        dz.scatter_add_(1, targets[sl, None], g[sl, None].to(dtype))
+        dz -= g_ent[sl, None].to(dtype) * p * (lp + ent[sl, None])
+        dz /= temperature
+        dH[sl] = dz @ w
+        dW.addmm_(dz.t(), h)
+        del z, lp, p, dz
+    return logp, ent, dH, dW
+
+
+def rel_err(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
+def _sync(dev):
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn, dev, reps):
+    fn()  # warm-up (compiles, allocator)
+    times = []
+    for _ in range(reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
+    torch.manual_seed(0)
+    hidden = torch.randn(N, H, device=dev, dtype=dtype).requires_grad_()
+    weight = (torch.randn(V, H, device=dev, dtype=dtype) * (2.0 / H**0.5)).requires_grad_()  # logits std ~2
+    targets = torch.randint(0, V, (N,), device=dev)
+    g, g_ent = torch.randn(N, device=dev), torch.randn(N, device=dev)
+    ref = reference(hidden.detach(), weight.detach(), targets, T, g, g_ent,
+                    torch.float32 if dev == "cuda" else torch.float64)
+    grad_bytes = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
+
+    def floor():  # x @ W^T, the recompute, dz @ W, dz^T @ x: four cuBLAS GEMMs of this shape
+        z = hidden.detach() @ weight.detach().t()  # (N, V)
+        z = torch.mm(hidden.detach(), weight.detach().t(), out=z)
+        z @ weight.detach()
+        z.t() @ hidden.detach()
+
+    with torch.no_grad():
+        floor_ms = _time(floor, dev, reps)
+    gc.collect()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    rows = []
+    for impl in impls:
+        def step():
+            logp, ent = token_logprobs(hidden, weight, targets, T, True, impl)
+            dH, dW = torch.autograd.grad((logp, ent), (hidden, weight), (g, g_ent))
+            return logp, ent, dH, dW
+
+        row = dict(shape=name, N=N, H=H, V=V, impl=impl, floor_ms=round(floor_ms, 3))
+        try:
+            ms = _time(step, dev, reps)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            out = step()
+            if dev == "cuda":
+                torch.cuda.synchronize()
+                peak = (torch.cuda.max_memory_allocated() - base - grad_bytes) / 2**30
+            else:
+                peak = None  # no allocator statistics on a CPU
+            errs = [rel_err(a, b) for a, b in zip(out, ref)]
+            row.update(ms=round(ms, 3), ratio=round(ms / floor_ms, 3), peak_gib=peak and round(peak, 3),
+                       err_logp=errs[0], err_ent=errs[1], err_dh=errs[2], err_dw=errs[3])
+            del out
+        except torch.cuda.OutOfMemoryError:
+            row.update(oom=True)
+        gc.collect()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(_fmt(row), flush=True)
+    return rows
+
+
+def _gib(x):
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def _fmt(r):
+    head = f"{r['shape']:<13} {r['impl']:<8}"
+    if r.get("oom"):
+        return f"{head} {'OOM':>9}"
+    return (f"{head} {r['ms']:9.2f} {r['floor_ms']:9.2f} {r['ratio']:6.3f} {_gib(r['peak_gib']):>8} "
+            f"{r['err_logp']:9.2e} {r['err_ent']:9.2e} {r['err_dh']:9.2e} {r['err_dw']:9.2e}")
+
+
+def main():
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cuda":  # the fp32 reference and fp32 paths must not silently use tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    shapes = GPU_SHAPES if dev == "cuda" else CPU_SHAPES
+    only = [a for a in sys.argv[1:] if not a.startswith("-")]
+    if only:
+        shapes = [s for s in shapes if any(o in s[0] for o in only)]
+    impls = ["naive", "chunked", "fused"]
+    reps = 5 if dev == "cuda" else 1
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    print(f"device={name} dtype={str(dtype).split('.')[-1]} torch={torch.__version__} "
+          f"ms = median of {reps} fwd+bwd (entropy on, per-token grads for logp and ent); floor = 4 cuBLAS GEMMs; "
+          f"peak = GiB beyond inputs and grads; err = ||x - ref|| / ||ref|| vs "
+          f"{'fp32' if dev == 'cuda' else 'fp64'} reference")
+    for mod in ("liger_kernel", "cut_cross_entropy"):
+        try:
+            __import__(mod)
+            print(f"({mod} is importable; its rows are not wired in yet)")
+        except ImportError:
+            print(f"({mod} not installed: no row)")
+    print(f"{'shape':<13} {'impl':<8} {'ms':>9} {'floor_ms':>9} {'ratio':>6} {'peak_GiB':>8} "
+          f"{'err_logp':>9} {'err_ent':>9} {'err_dH':>9} {'err_dW':>9}")
+    rows = []
+    for name_s, N, H, V in shapes:
+        rows += bench_shape(name_s, N, H, V, dev, dtype, impls, reps)
+    print(json.dumps(dict(device=name, dtype=str(dtype), torch=torch.__version__, rows=rows)))
+
+
+if __name__ == "__main__":
+    main()
