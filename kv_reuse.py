@@ -241,3 +241,176 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
     finally:
         model.train(was_training)
     return torch.stack(toks, 1), torch.stack(keep, 1).long()  # (B*G, C) each
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# benchmark: `python kv_reuse.py` (GPU: Qwen2.5-0.5B-shaped random model, bf16, SDPA, GC on; CPU: tiny smoke run)
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+B_, G_, C_ = (4, 8, 256) if CUDA else (2, 4, 16)
+PROMPT_LENS = (512, 2048, 4096, 8192) if CUDA else (32, 64)
+GEN_B, GEN_G, GEN_P, GEN_T = (2, 16, 2048, 128) if CUDA else (2, 4, 32, 8)
+REPS = 3 if CUDA else 1
+
+
+def bench_model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    if CUDA:  # Qwen2.5-0.5B shapes
+        shape = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                     intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6)
+    else:
+        shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=128, vocab_size=1000, max_position_embeddings=1024)
+    config = Qwen2Config(**shape, tie_word_embeddings=True, rms_norm_eps=1e-6, attention_dropout=0.0,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = Qwen2ForCausalLM(config)
+    model.to(torch.bfloat16 if CUDA else torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # 5.23 renamed it activation_checkpointing_enable
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def logp_fn():
+    """(hidden, weight, targets) -> logp: logprobs.py's fused kernel (GPU) / chunked (CPU) if it exists"""
+    def chunked(h, w, t, rows=2048):  # stand-in: fp32 log_softmax over row chunks, recomputed in backward
+        h, t = h.reshape(-1, h.shape[-1]), t.reshape(-1)
+        f = lambda hc, tc: torch.log_softmax((hc @ w.T).float(), -1).gather(-1, tc[:, None])[:, 0]
+        out = [torch.utils.checkpoint.checkpoint(f, h[i:i + rows], t[i:i + rows], use_reentrant=False)
+               for i in range(0, h.shape[0], rows)]
+        return torch.cat(out)
+
+    try:
+        from logprobs import token_logprobs
+        impl = "fused" if CUDA else "chunked"
+        fn = lambda h, w, t: token_logprobs(h, w, t, entropy=False, impl=impl)[0]
+        w = torch.randn(1000, 64, device=DEV, requires_grad=True)
+        h = torch.randn(8, 64, device=DEV, requires_grad=True)
+        fn(h, w, torch.arange(8, device=DEV)).sum().backward()  # smoke test: fall back rather than crash
+        return fn, f"logprobs.{impl}"
+    except Exception as e:  # noqa: BLE001 - logprobs.py is another engineer's work in progress
+        print(f"logprobs.py unusable ({type(e).__name__}: {e}); using a torch chunked log-softmax")
+        return chunked, "torch chunked (stand-in)"
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def free():
+    import gc
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+
+
+def bench_train(model, logp, P, reuse):
+    """ms per fwd+bwd (completion_hidden + log-prob loss + backward) and peak GiB allocated"""
+    g = torch.Generator(device=DEV).manual_seed(P)
+    V = model.config.vocab_size
+    prompt_ids = torch.randint(3, V, (B_, P), device=DEV, generator=g)
+    prompt_mask = torch.ones_like(prompt_ids)
+    completion_ids = torch.randint(3, V, (B_ * G_, C_), device=DEV, generator=g)
+    completion_mask = torch.ones_like(completion_ids)  # no padding: the full path gets flash + is_causal
+
+    def step():
+        h = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, G_, reuse=reuse)
+        lp = logp(h, model.lm_head.weight, completion_ids).view(B_ * G_, C_)
+        loss = -(lp * completion_mask).sum() / completion_mask.sum()
+        loss.backward()
+        return lp.detach()
+
+    try:
+        model.zero_grad(set_to_none=True)
+        step()  # warm-up; grads stay allocated, as in training
+        sync()
+        if CUDA:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(REPS):
+            lp = step()
+        sync()
+        ms = (time.perf_counter() - t0) * 1e3 / REPS
+        peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else None
+        return ms, peak, lp.float().cpu()
+    except torch.OutOfMemoryError:
+        return None, None, None
+    finally:
+        model.zero_grad(set_to_none=True)
+        free()
+
+
+def bench_generate(model):
+    """tokens/s: generate_groups vs model.generate(num_return_sequences=G, do_sample=True)"""
+    g = torch.Generator(device=DEV).manual_seed(1)
+    prompt_ids = torch.randint(3, model.config.vocab_size, (GEN_B, GEN_P), device=DEV, generator=g)
+    prompt_mask = torch.ones_like(prompt_ids)
+    eos, pad = model.config.eos_token_id, model.config.pad_token_id
+    ours = lambda T: generate_groups(model, prompt_ids, prompt_mask, GEN_G, T, temperature=1.0, eos_token_id=eos,
+                                     pad_token_id=pad)[0]
+    hf = lambda T: model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True,
+                                  num_return_sequences=GEN_G, max_new_tokens=T, temperature=1.0, top_k=0, top_p=1.0,
+                                  eos_token_id=eos, pad_token_id=pad)[:, GEN_P:]
+    out = {}
+    model.eval()
+    try:
+        for name, fn in (("generate_groups", ours), ("model.generate", hf)):
+            try:
+                fn(4)  # warm-up
+                sync()
+                t0 = time.perf_counter()
+                ids = fn(GEN_T)
+                sync()
+                dt = time.perf_counter() - t0
+                out[name] = dict(s=round(dt, 3), new_tokens=int(ids.shape[1]), tok_per_s=round(ids.numel() / dt, 1))
+            except torch.OutOfMemoryError:
+                out[name] = "OOM"
+            free()
+    finally:
+        model.train()
+    return out
+
+
+def main():
+    import transformers
+    if not CUDA:
+        torch.set_num_threads(1)  # tiny smoke shapes; the shared CPU is faster on one thread
+    model = bench_model()
+    logp, logp_name = logp_fn()
+    dev_name = torch.cuda.get_device_name() if CUDA else "cpu"
+    print(f"kv_reuse benchmark on {dev_name}: torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{'bf16' if CUDA else 'fp32'}, sdpa, GC on (non-reentrant), loss={logp_name}")
+    print(f"Qwen2-shaped random model: hidden {model.config.hidden_size}, {model.config.num_hidden_layers} layers, "
+          f"vocab {model.config.vocab_size}; B={B_} G={G_} C={C_}; ms per fwd+bwd (mean of {REPS}), peak GiB")
+    print(f"{'P':>6} | {'full ms':>9} {'GiB':>6} | {'reuse ms':>9} {'GiB':>6} | {'speedup':>7} {'ceiling':>7} | "
+          f"{'max|dlogp|':>10}")
+    rows = []
+    for P in PROMPT_LENS:
+        ms_f, gb_f, lp_f = bench_train(model, logp, P, reuse=False)
+        ms_r, gb_r, lp_r = bench_train(model, logp, P, reuse=True)
+        ceiling = B_ * G_ * (P + C_) / (B_ * (P + G_ * C_))
+        speedup = ms_f / ms_r if ms_f and ms_r else None
+        diff = (lp_f - lp_r).abs().max().item() if lp_f is not None and lp_r is not None else None
+        rows.append(dict(P=P, full_ms=ms_f, full_gib=gb_f, reuse_ms=ms_r, reuse_gib=gb_r, speedup=speedup,
+                         ceiling=ceiling, max_abs_logp_diff=diff))
+        fmt = lambda v, spec, ok=True: (format(v, spec) if v is not None else "-" if ok else "OOM").rjust(
+            int(spec.split(".")[0]))
+        print(f"{P:>6} | {fmt(ms_f, '9.1f')} {fmt(gb_f, '6.2f', ms_f)} | {fmt(ms_r, '9.1f')} "
+              f"{fmt(gb_r, '6.2f', ms_r)} | {fmt(speedup, '6.2f', 0)}x {ceiling:6.2f}x | {fmt(diff, '10.2e', 0)}",
+              flush=True)
+    gen = bench_generate(model)
+    print(f"generation, B={GEN_B} P={GEN_P} G={GEN_G}, up to {GEN_T} new tokens, sampling T=1:")
+    for name, r in gen.items():
+        print(f"  {name:>16}: " + (r if isinstance(r, str) else f"{r['tok_per_s']:10.1f} tok/s "
+                                   f"({r['s']:.2f} s, {r['new_tokens']} new tokens per row)"))
+    print(json.dumps(dict(device=dev_name, torch=torch.__version__, transformers=transformers.__version__,
+                          B=B_, G=G_, C=C_, loss=logp_name, train=rows, generate=gen)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
