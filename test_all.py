@@ -507,7 +507,219 @@ def test_kv_generate_sampling_reproducible():
 # batching.py / grpo.py
 # ----------------------------------------------------------------------------------------------------------------
 
-# (trainer checks go here)
+_TINY = {}
+
+
+def _tiny_model_dir():
+    """a 2-layer random Llama + a character-level tokenizer with a chat template, saved as an HF dir (offline)"""
+    if "dir" in _TINY:
+        return _TINY["dir"]
+    import tempfile
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=vocab["<|im_end|>"],
+                      pad_token_id=vocab["<|im_end|>"])
+    d = tempfile.mkdtemp(prefix="nanogrpo_tiny_")
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    _TINY["dir"] = d
+    return d
+
+
+def _tiny_buffer(group_size=4):
+    """a generation buffer with ragged prompts/completions, some completions all-truncated, random rewards"""
+    from transformers import AutoModelForCausalLM
+    import batching
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
+    B, G, P, C, V = 3, group_size, 7, 6, model.config.vocab_size
+    p_len, c_len = torch.tensor([7, 3, 5]), torch.randint(1, C + 1, (B * G,))
+    prompt_mask = (torch.arange(P) >= P - p_len[:, None]).long()  # left-padded
+    completion_mask = (torch.arange(C) < c_len[:, None]).long()  # right-padded
+    buf = dict(prompt_ids=torch.randint(3, V, (B, P)) * prompt_mask + 2 * (1 - prompt_mask), prompt_mask=prompt_mask,
+               completion_ids=torch.randint(3, V, (B * G, C)) * completion_mask + 2 * (1 - completion_mask),
+               completion_mask=completion_mask, truncated=c_len == C, group_size=G)
+    rewards = torch.rand(B * G)
+    return model, buf, rewards
+
+
+def _trainer_cfg(**kw):
+    import grpo
+    cfg = grpo.parse_config(["--device=cpu", "--dtype=float32", "--logprob_impl=chunked"])
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+@check
+def test_batching_grad_same_for_any_micro_batch_split():
+    """one generation batch's gradient is the same whether it runs as 1 micro-batch or one per group, for every
+    loss_type, with old log-probs (num_iterations=2), a k3 KL term (beta>0) and masked truncated completions"""
+    import copy
+    from contextlib import nullcontext
+    import batching
+    model, buf0, rewards = _tiny_buffer()
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # a reference that differs, so the KL has a gradient
+    for loss_type in batching.LOSS_TYPES:
+        grads = []
+        for budget in (10**6, 1):
+            cfg = _trainer_cfg(loss_type=loss_type, num_iterations=2, beta=0.1, micro_batch_tokens=budget,
+                               mask_truncated_completions=loss_type == "grpo", max_completion_len=6)
+            buf = dict(buf0)
+            mbs, _ = batching.prepare_buffer(model, ref, buf, rewards, cfg, nullcontext)
+            assert len(mbs) == (1 if budget > 1 else 3), mbs
+            torch.manual_seed(7)  # the same perturbation for both splits
+            with torch.no_grad():  # move away from the sampling policy so the ratio is not 1 and clipping matters
+                buf["old_logp"] += 0.3 * torch.randn_like(buf["old_logp"]) * buf["completion_mask"]
+            model.zero_grad()
+            for b0, b1 in mbs:
+                loss, _ = batching.micro_batch_loss(model, batching.slice_groups(buf, b0, b1), cfg,
+                                                    nullcontext)
+                loss.backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        assert grads[0].norm() > 0, loss_type
+        assert_close(grads[1], grads[0], 1e-5, f"grad {loss_type}")
+
+
+@check
+def test_grpo_on_policy_ratio_is_exactly_one():
+    """num_iterations=1: no old log-probs are computed, ratio = exp(logp - logp.detach()) is exactly 1 and the
+    gradient is the plain policy gradient -sum(w * A * grad logp); num_iterations=2: old log-probs exist"""
+    from contextlib import nullcontext
+    import batching
+    model, buf, rewards = _tiny_buffer()
+    cfg = _trainer_cfg(num_iterations=1, beta=0.0, loss_type="grpo")
+    mbs, _ = batching.prepare_buffer(model, None, buf, rewards, cfg, nullcontext)
+    assert "old_logp" not in buf and "ref_logp" not in buf, "on-policy with beta=0 needs neither old nor ref"
+    mb = batching.slice_groups(buf, 0, 3)
+    model.zero_grad()
+    loss, stats = batching.micro_batch_loss(model, mb, cfg, nullcontext)
+    loss.backward()
+    assert stats["ratio_dev_max"] == 0.0 and stats["clip_ratio"] == 0.0, stats
+    g_loss = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+    keep = mb["loss_weights"] > 0
+    logp, _ = batching.completion_logprobs(model, mb, keep, 1.0, "naive", False, False)
+    adv = mb["advantages"][:, None].expand_as(keep)[keep]
+    (-(mb["loss_weights"][keep] * adv * logp).sum()).backward()
+    g_pg = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert_close(g_loss, g_pg, 1e-5, "on-policy grad vs policy gradient")
+    buf2 = {k: buf[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated",
+                                "group_size")}
+    batching.prepare_buffer(model, None, buf2, rewards, _trainer_cfg(num_iterations=2), nullcontext)
+    _, stats2 = batching.micro_batch_loss(model, batching.slice_groups(buf2, 0, 3), cfg, nullcontext)
+    assert "old_logp" in buf2 and stats2["ratio_dev_max"] < 1e-5, stats2
+
+
+def _quiet_train(args):
+    """grpo.train with its config print, tqdm bars and step lines swallowed (they are checked elsewhere)"""
+    import contextlib
+    import io
+    import grpo
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return grpo.train(args)
+
+
+def _train_args(out, steps, *extra):
+    return [f"--model={_tiny_model_dir()}", "--task=arithmetic", f"--max_steps={steps}", "--prompts_per_step=2",
+            "--group_size=4", "--max_completion_len=8", "--device=cpu", "--dtype=float32", f"--out_dir={out}",
+            "--eval_size=4", *extra]
+
+
+@check
+def test_grpo_cli_two_steps_log_checkpoint_and_resume():
+    """the issue's exact CPU command: finite loss, one JSON line per step, a checkpoint; --resume continues"""
+    import json
+    import math
+    import subprocess
+    import tempfile
+    import grpo
+    out = tempfile.mkdtemp(prefix="nanogrpo_cli_")
+    cmd = [sys.executable, "grpo.py", f"--model={_tiny_model_dir()}", "--task=arithmetic", "--max_steps=2",
+           "--prompts_per_step=2", "--group_size=4", "--max_completion_len=8", "--device=cpu", "--dtype=float32",
+           f"--out_dir={out}"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "logprob_impl=chunked" in p.stdout, "CPU must resolve logprob_impl=auto to chunked"
+    recs = [json.loads(l) for l in open(os.path.join(out, "log.jsonl"))]
+    assert [r["step"] for r in recs] == [0, 1, 2], recs
+    for r in recs[1:]:
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]), r
+    for f in ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt"):
+        assert os.path.exists(os.path.join(out, "ckpt", f)), f"missing ckpt/{f}"
+    res = _quiet_train(_train_args(out, 3, "--eval_size=100", "--resume=True"))
+    assert [r["step"] for r in res.records] == [0, 1, 2, 3], [r["step"] for r in res.records]
+
+
+@check
+def test_grpo_resume_continues_identically():
+    """2 steps straight == 1 step, checkpoint, --resume=True, 1 more step: same weights, optimizer, samples"""
+    import tempfile
+    import grpo
+    prompts, reward = grpo.TASKS["arithmetic"]
+    # a random tiny model never answers: swap in a dense reward (the fraction of digits) so the steps move weights
+    grpo.TASKS["arithmetic"] = (prompts, lambda text, target: (sum(ch.isdigit() for ch in text) / 8, False))
+    try:
+        args = ("--lr=1e-3", "--warmup_steps=0", "--num_iterations=2", "--beta=0.1")
+        a = _quiet_train(_train_args(tempfile.mkdtemp(), 2, *args))
+        out = tempfile.mkdtemp()
+        _quiet_train(_train_args(out, 1, *args))
+        b = _quiet_train(_train_args(out, 2, *args, "--resume=True"))
+    finally:
+        grpo.TASKS["arithmetic"] = (prompts, reward)
+    ra, rb = a.records[-1], b.records[-1]
+    assert ra["frac_reward_zero_std"] < 1, ("every group's completions got one reward: does generate_groups sample "
+                                            "at temperature=1.0, or fall back to greedy?")
+    assert rb["step"] == 2 and ra["reward_mean"] == rb["reward_mean"] and ra["loss"] == rb["loss"], (ra, rb)
+    for (n, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb), f"{n} differs after resume"
+    assert ra["grad_norm"] > 0
+
+
+@check
+def test_grpo_config_errors_and_types():
+    import grpo
+    assert_raises(ValueError, lambda: grpo.parse_config(["--lrr=1e-5"]), "valid keys")
+    assert_raises(ValueError, lambda: grpo.parse_config(["--lr=fast"]), "float")
+    assert_raises(ValueError, lambda: grpo.parse_config(["--max_steps=2.5"]), "int")
+    assert_raises(ValueError, lambda: grpo.parse_config(["--resume=maybe"]), "True or False")
+    cfg = grpo.parse_config(["--lr=3e-6", "--max_steps=7", "--resume=True", "--task=countdown", "--beta=0"])
+    assert (cfg.lr, cfg.max_steps, cfg.resume, cfg.task, cfg.beta) == (3e-6, 7, True, "countdown", 0.0)
+    assert type(cfg.max_steps) is int and type(cfg.beta) is float
+    assert_raises(ValueError, lambda: grpo.resolve(grpo.parse_config(["--loss_type=ppo"])), "loss_type")
+
+
+@check
+def test_grpo_rewards_verify_answers():
+    import grpo
+    r = grpo.arithmetic_reward
+    assert r("12 + 5 = 17 <answer>17</answer>", 17) == (1.0, True)
+    assert r("<answer>16</answer>", 17) == (0.1, False)  # format only
+    assert r("the answer is 17", 17) == (0.0, False)
+    assert r("<answer>-3</answer>", -3) == (1.0, True)
+    c = grpo.countdown_reward
+    assert c("<answer>(3 + 5) * 2</answer>", ((2, 3, 5), 16)) == (1.0, True)
+    assert c("<answer>3 * 5 + 2 = 17</answer>", ((2, 3, 5), 17)) == (1.0, True)
+    assert c("<answer>3 + 5</answer>", ((2, 3, 5), 8)) == (0.1, False)  # must use every number
+    assert c("<answer>__import__('os')</answer>", ((2, 3, 5), 8)) == (0.1, False)
+    for prompts in (grpo.arithmetic_prompts, grpo.countdown_prompts):
+        assert prompts(5, 3, 2) == prompts(5, 3, 2) and prompts(5, 3, 2) != prompts(5, 4, 2), "seeded"
 
 # ----------------------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,224 @@
+"""
+One GRPO generation batch, from sampled completions to gradients.
+
+A generation batch is prompts_per_step prompts x group_size completions, sampled ONCE and then buffered: the
+num_iterations optimizer steps that follow all read the same buffer (TRL #3283), so generation is not repeated per
+gradient-accumulation micro-batch and "how many updates per sample" is its own knob.
+
+    prompts (B, P) left-padded ─ generate_groups ─> completions (B*G, C) right-padded, rows prompt-major (b*G + g)
+    rewards (B*G,) ─ group_advantages ─> advantages (B*G,)
+    loss_weights (B*G, C): the loss_type normalizer of the WHOLE batch, baked into one weight per token
+    micro_batches: whole groups under a token budget (kv_reuse forwards a group's prompt once, so a group stays together)
+    old / ref log-probs under no_grad, micro-batch by micro-batch (old skipped when exactly on-policy)
+    update_step: sum over micro-batches of sum(per_token_loss * weight) -> backward -> clip -> optimizer.step
+
+Response-only rows (slime #2076): of the (B*G, C, H) hidden states only the positions with completion mask 1 are
+gathered to (N, H) before the LM head, so padding never costs a (row, V) logits slab.
+"""
+import math
+
+import torch
+
+from kv_reuse import completion_hidden, generate_groups
+from logprobs import token_logprobs
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+# per-completion entries of the buffer: (B*G, C) token tensors or (B*G,) row tensors
+ROW_KEYS = ("completion_ids", "completion_mask", "truncated", "advantages", "loss_weights", "old_logp", "ref_logp")
+
+
+@torch.no_grad()
+def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature, top_p, eos_token_id,
+            pad_token_id):
+    """sample group_size completions per prompt; the returned dict is the generation buffer"""
+    completion_ids, completion_mask = generate_groups(
+        model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature=temperature, top_p=top_p,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id)  # (B*G, C), (B*G, C)
+    completion_mask = completion_mask.long()
+    # a completion is truncated when it filled max_completion_len without emitting EOS
+    has_eos = ((completion_ids == eos_token_id) & (completion_mask == 1)).any(1)  # (B*G,)
+    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(), completion_ids=completion_ids,
+                completion_mask=completion_mask, truncated=~has_eos, group_size=group_size)
+
+
+def group_advantages(rewards, group_size, scale_rewards="group"):
+    """A_i = r_i - mean(group), divided by the group's std ("group"), the batch's std ("batch") or nothing ("none",
+    Dr. GRPO). Returns (advantages (B*G,), frac of groups whose rewards are all equal: they carry no signal)."""
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards={scale_rewards!r}: use one of {SCALE_REWARDS}")
+    r = rewards.float().view(-1, group_size)  # (B, G)
+    adv = r - r.mean(1, keepdim=True)
+    std_group = r.std(1, keepdim=True) if group_size > 1 else torch.zeros_like(adv[:, :1])
+    if scale_rewards == "group":
+        adv = adv / (std_group + 1e-4)
+    elif scale_rewards == "batch":
+        adv = adv / (r.std() + 1e-4) if r.numel() > 1 else adv
+    frac_zero_std = (std_group.squeeze(1) < 1e-6).float().mean().item()
+    return adv.view(-1), frac_zero_std
+
+
+def loss_weights(completion_mask, loss_type, max_completion_len):
+    """(B*G, C) weight per token so that loss = sum(per_token_loss * w) over the whole generation batch reproduces
+    TRL's loss_type aggregations, whatever the micro-batch split (the normalizer is global, not per micro-batch):
+        grpo:        1/S * sum_i ( sum_t l_it m_it / sum_t m_it )      (mean over each sequence, then over sequences)
+        bnpo, dapo:  sum_it l_it m_it / sum_it m_it                    (token mean over the whole batch)
+        dr_grpo:     sum_it l_it m_it / (S * max_completion_len)       (constant normalizer, no length bias)
+    Rows whose mask is all zero (masked truncated completions) get weight 0 and do not count in S for grpo."""
+    m = completion_mask.float()  # (B*G, C)
+    if loss_type == "grpo":
+        lens = m.sum(1, keepdim=True)  # (B*G, 1)
+        n_seq = (lens > 0).sum().clamp_min(1)
+        return m / lens.clamp_min(1) / n_seq
+    if loss_type in ("bnpo", "dapo"):
+        return m / m.sum().clamp_min(1)
+    if loss_type == "dr_grpo":
+        return m / (m.shape[0] * max_completion_len)
+    raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
+
+
+def micro_batches(prompt_mask, completion_mask, group_size, micro_batch_tokens):
+    """split the B groups into contiguous runs [b0, b1) of whole groups whose padded token count
+    n_groups * (P_mb + G * C_mb) stays within micro_batch_tokens (a lone group over budget still gets its own run)"""
+    G = group_size
+    p_len = prompt_mask.sum(1).tolist()  # (B,) left-padded, so a run needs max(p_len) columns
+    c_len = completion_mask.view(-1, G, completion_mask.shape[1]).sum(2).amax(1).tolist()  # (B,)
+    out, b0, p_max, c_max = [], 0, 0, 0
+    for b in range(len(p_len)):
+        p_new, c_new = max(p_max, p_len[b]), max(c_max, c_len[b])
+        if b > b0 and (b + 1 - b0) * (p_new + G * c_new) > micro_batch_tokens:
+            out.append((b0, b))
+            b0, p_new, c_new = b, p_len[b], c_len[b]
+        p_max, c_max = p_new, c_new
+    out.append((b0, len(p_len)))
+    return out
+
+
+def slice_groups(buf, b0, b1):
+    """the groups [b0, b1) of the buffer, with the padding columns that no row of the slice uses cut off"""
+    G = buf["group_size"]
+    pm = buf["prompt_mask"][b0:b1]
+    cm = buf["completion_mask"][b0 * G:b1 * G]
+    p_keep = max(int(pm.sum(1).max()), 1)  # prompts are left-padded: keep the last p_keep columns
+    c_keep = max(int(cm.sum(1).max()), 1)  # completions are right-padded: keep the first c_keep columns
+    mb = dict(group_size=G, prompt_ids=buf["prompt_ids"][b0:b1, -p_keep:], prompt_mask=pm[:, -p_keep:])
+    for k in ROW_KEYS:
+        if k in buf:
+            v = buf[k][b0 * G:b1 * G]
+            mb[k] = v[:, :c_keep] if v.dim() == 2 else v  # (rows, c_keep) or (rows,)
+    return mb
+
+
+def completion_logprobs(model, mb, keep, temperature, logprob_impl, kv_reuse, entropy):
+    """log pi(token) of the completion tokens where keep (B*G, C) is True, response-only: (B*G, C, H) -> (N, H) ->
+    LM head. Returns (logp (N,), ent (N,) or None), N = keep.sum(), row-major order."""
+    hidden = completion_hidden(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                               mb["completion_mask"], mb["group_size"], reuse=kv_reuse)  # (B*G, C, H)
+    h = hidden[keep]  # (N, H): the only rows the LM head ever sees
+    targets = mb["completion_ids"][keep]  # (N,)
+    weight = model.get_output_embeddings().weight  # (V, H), float32 master weights
+    dev = weight.device.type
+    # under autocast the LM head runs in the autocast dtype (token_logprobs wants hidden and weight in one dtype)
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+    return token_logprobs(h.to(dt), weight.to(dt), targets, temperature=temperature, entropy=entropy,
+                          impl=logprob_impl)
+
+
+@torch.no_grad()
+def fill_logprobs(model, buf, key, mbs, temperature, logprob_impl, kv_reuse, autocast):
+    """buf[key] = (B*G, C) log-probs of the current weights of `model`, zero at masked positions"""
+    out = torch.zeros(buf["completion_ids"].shape, dtype=torch.float32, device=buf["completion_ids"].device)
+    G = buf["group_size"]
+    for b0, b1 in mbs:
+        mb = slice_groups(buf, b0, b1)
+        keep = mb["completion_mask"].bool()
+        with autocast():
+            logp, _ = completion_logprobs(model, mb, keep, temperature, logprob_impl, kv_reuse, entropy=False)
+        rows = out[b0 * G:b1 * G, :keep.shape[1]]  # a view into out
+        rows[keep] = logp.float()
+    buf[key] = out
+
+
+def micro_batch_loss(model, mb, cfg, autocast):
+    """sum over this micro-batch's tokens of per_token_loss * weight (weights carry the global normalizer), with
+        ratio = exp(logp - old_logp),  l = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) + beta * k3
+        k3 = exp(ref - logp) - (ref - logp) - 1   (unbiased, always >= 0 KL estimate, Schulman)
+    when old_logp is absent (one update per generation) old = logp.detach(): ratio is exactly 1, the gradient is
+    A * grad(logp)."""
+    keep = mb["loss_weights"] > 0  # (B*G, C): loss mask 1 (masked truncated rows drop out here, before the LM head)
+    with autocast():
+        logp, ent = completion_logprobs(model, mb, keep, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse, True)
+    logp = logp.float()  # (N,)
+    adv = mb["advantages"][:, None].expand_as(keep)[keep]  # (N,)
+    w = mb["loss_weights"][keep]  # (N,)
+    old = mb["old_logp"][keep] if "old_logp" in mb else logp.detach()
+    ratio = torch.exp(logp - old)
+    clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    stats = {}
+    if cfg.beta > 0:
+        d = mb["ref_logp"][keep] - logp
+        kl = torch.exp(d) - d - 1
+        per_token = per_token + cfg.beta * kl
+        stats["kl"] = (kl.detach() * w).sum().item()
+    loss = (per_token * w).sum()
+    # clip fractions, weighted like the loss so they are whole-batch means too
+    low = ((ratio < 1 - cfg.epsilon) & (adv < 0)).float()
+    high = ((ratio > 1 + cfg.epsilon_high) & (adv > 0)).float()
+    stats["clip_low"] = (low * w).sum().item()
+    stats["clip_high"] = (high * w).sum().item()
+    stats["clip_ratio"] = stats["clip_low"] + stats["clip_high"]
+    stats["entropy"] = (ent.detach().float() * w).sum().item() if ent is not None else float("nan")
+    stats["ratio_mean"] = (ratio.detach() * w).sum().item()
+    stats["ratio_dev_max"] = (ratio.detach() - 1).abs().max().item()  # exactly 0 when on-policy
+    return loss, stats
+
+
+def update_step(model, optimizer, buf, mbs, cfg, autocast):
+    """one optimizer step over the whole generation batch: accumulate the micro-batches' gradients, clip, step.
+    Because every token's weight already holds the whole-batch normalizer, the summed gradient is identical
+    (up to float rounding) for any micro-batch split."""
+    G = buf["group_size"]
+    totals = {}
+    w_sum = buf["loss_weights"].sum().item()  # what the weighted means above are relative to
+    loss_total = 0.0
+    for b0, b1 in mbs:
+        mb = slice_groups(buf, b0, b1)
+        if not (mb["loss_weights"] > 0).any():
+            continue  # e.g. every completion of these groups truncated and masked
+        try:
+            loss, stats = micro_batch_loss(model, mb, cfg, autocast)
+            loss.backward()
+        except torch.cuda.OutOfMemoryError as e:
+            raise torch.cuda.OutOfMemoryError(
+                f"out of GPU memory in a micro-batch of {b1 - b0} groups x {G} completions: lower "
+                f"--micro_batch_tokens (now {cfg.micro_batch_tokens}; a group needs about P + G*C tokens), or turn "
+                f"on --gradient_checkpointing=True") from e
+        loss_total += loss.item()
+        for k, v in stats.items():
+            totals[k] = max(totals.get(k, 0.0), v) if k.endswith("_max") else totals.get(k, 0.0) + v
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    out = {k: v if k.endswith("_max") else v / max(w_sum, 1e-12) for k, v in totals.items()}
+    out["loss"] = loss_total
+    out["grad_norm"] = grad_norm.item()
+    return out
+
+
+def prepare_buffer(model, ref_model, buf, rewards, cfg, autocast):
+    """everything the updates need that does not change between them: advantages, per-token weights, and the
+    old/ref log-probs under no_grad. Returns the micro-batch split and the fraction of zero-std groups."""
+    G = buf["group_size"]
+    buf["advantages"], frac_zero_std = group_advantages(rewards, G, cfg.scale_rewards)
+    loss_mask = buf["completion_mask"]
+    if cfg.mask_truncated_completions:
+        loss_mask = loss_mask * (~buf["truncated"]).long()[:, None]  # truncated rows: no gradient at all
+    buf["loss_weights"] = loss_weights(loss_mask, cfg.loss_type, cfg.max_completion_len)
+    mbs = micro_batches(buf["prompt_mask"], buf["completion_mask"], G, cfg.micro_batch_tokens)
+    if cfg.num_iterations > 1:
+        # the first update would see ratio = 1 anyway; later ones need the sampling policy's log-probs
+        fill_logprobs(model, buf, "old_logp", mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse, autocast)
+    if cfg.beta > 0:
+        fill_logprobs(ref_model, buf, "ref_logp", mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse, autocast)
+    return mbs, frac_zero_std
