@@ -112,6 +112,12 @@ def reuse_unsupported(model):
     return ""
 
 
+def trim_left_padding(ids, mask):
+    """drop leading columns that are padding in every row (prompts padded to a fixed max length)"""
+    n = int(mask.sum(1).max())  # longest prompt
+    return ids[:, ids.shape[1] - n:], mask[:, mask.shape[1] - n:]
+
+
 def check_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size):
     if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
         raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} must both "
@@ -125,6 +131,7 @@ def check_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, group
                          "(row = b*G + g)")
     if prompt_ids.shape[1] < 1 or completion_ids.shape[1] < 1:
         raise ValueError("need at least one prompt and one completion column")
+    prompt_mask, completion_mask = prompt_mask.long(), completion_mask.long()
     if not bool((prompt_mask[:, -1] == 1).all()) or bool((prompt_mask.diff(dim=1) < 0).any()):
         raise ValueError("prompts must be left-padded (mask 0...0 1...1, last column real); use "
                          "tokenizer.padding_side='left'")
@@ -140,6 +147,8 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
     """Final-norm hidden states (B*G, C, H); row t predicts completion token t (row 0 comes from the prompt's last
     position). prompt_* (B, P) left-padded; completion_* (B*G, C) right-padded, row = b*G + g."""
     check_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
+    prompt_ids, prompt_mask = trim_left_padding(prompt_ids, prompt_mask.long())
+    completion_mask = completion_mask.long()
     trunk, G = model.model, group_size
     (B, P), C = prompt_ids.shape, completion_ids.shape[1]
     if reuse and (why := reuse_unsupported(model)):
@@ -216,6 +225,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         warpers += [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
         warpers += [TopKLogitsWarper(top_k)] if top_k > 0 else []
         warpers += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
+    prompt_ids, prompt_mask = trim_left_padding(prompt_ids, prompt_mask.long())
     G, dev = group_size, prompt_ids.device
     was_training = model.training
     model.eval()  # no dropout, no checkpointing while sampling

@@ -419,6 +419,30 @@ def test_kv_no_grad_and_inference_mode():
 
 @check
 @_kv_one_thread
+def test_kv_edge_shapes():
+    """C=1, all prompts of length 1 (P=1), prompts padded past the longest one (trimmed) with bool masks"""
+    import kv_reuse
+    G = 3
+    model = tiny_model("qwen2", tied=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    padded = _kv_batch(P=9, prompt_lens=(5, 2, 3), seed=5)
+    padded = (padded[0], padded[1].bool(), padded[2], padded[3].bool())
+    for name, batch in (("C=1", _kv_batch(C=1, completion_lens=[1] * 9, seed=6)),
+                        ("P=1", _kv_batch(P=1, prompt_lens=(1, 1, 1), seed=7)),
+                        ("padded+bool", padded)):
+        logp_full, grads_full = _kv_loss_and_grads(model, batch, G, reuse=False)
+        logp_reuse, grads_reuse = _kv_loss_and_grads(model, batch, G, reuse=True)
+        err = (logp_reuse - logp_full).abs().max().item()
+        assert err <= 1e-5, f"{name}: log-prob max abs error {err:.2e}"
+        for n in grads_full:
+            assert_close(grads_reuse[n], grads_full[n], 1e-4, f"{name} grad {n}")
+    h = kv_reuse.completion_hidden(model, *padded, G)
+    assert h.shape == (9, 6, 64), f"hidden shape {tuple(h.shape)}"
+
+
+@check
+@_kv_one_thread
 def test_kv_bad_inputs_and_unsupported_models():
     import warnings
     import kv_reuse
@@ -491,10 +515,13 @@ def test_kv_generate_sampling_reproducible():
     import kv_reuse
     G, T = 4, 6
     model = tiny_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # as in the trainer: generate_groups samples in eval mode, then restores train mode
     prompt_ids, prompt_mask, _, _ = _kv_batch(B=2, G=G, prompt_lens=(7, 3), seed=4)
     kw = dict(eos_token_id=2, pad_token_id=0)
     torch.manual_seed(123)
     a = kv_reuse.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=2.0, top_p=0.95, **kw)
+    assert model.training, "generate_groups left the model in eval mode"
     torch.manual_seed(123)
     b = kv_reuse.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=2.0, top_p=0.95, **kw)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), "same seed, different samples"
