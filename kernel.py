@@ -219,7 +219,8 @@ def check_inputs(hidden, weight, targets, temperature):
 def _launch_args(hidden, weight):
     cfg = CONFIGS[hidden.dtype]
     H = hidden.shape[1]
-    meta = dict(EVEN_K=H % cfg["BLOCK_K"] == 0, DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
+    # fp32 inputs: full-precision dot ("ieee"), not Triton's tf32 default; fp16/bf16: the default (None)
+    meta = dict(EVEN_K=H % cfg["BLOCK_K"] == 0, DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else None,
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"], GROUP_N=GROUP_N,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return cfg, meta
