@@ -23,11 +23,13 @@ import time
 import warnings
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # full-attention decoders whose trunk we have checked
+FLASH_LOWER_RIGHT = True  # sdpa + no prompt padding: lower-right causal attention instead of a materialized mask
 
 # ----------------------------------------------------------------------------------------------------------------
 # caches that are idempotent under gradient-checkpoint recompute
@@ -68,6 +70,28 @@ class PrefixLayer(DynamicLayer):
         return out.view(B * G, kvh, Pp + C, D)
 
 
+class LowerRightCausal(torch.Tensor):
+    """4D stand-in for the (B*G, 1, C, P'+C) mask when no row has padding in its prompt. HF returns a 4D mask as
+    given and hands it to SDPA, where we swap it for torch's lower-right CausalBias: query t of the completion pass
+    sees keys <= P'+t, which flash attention does natively (no mask in memory, no mem-efficient fallback). Right
+    padding of the completions needs no mask: a real query never reaches a padding key (they all come after it)."""
+
+    @staticmethod
+    def __new__(cls, shape, device):
+        return torch.Tensor._make_subclass(cls, torch.zeros((), dtype=torch.bool, device=device).expand(shape))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, k = args[0], args[1]
+            kwargs.pop("is_causal", None)
+            kwargs["attn_mask"] = causal_lower_right(q.shape[-2], k.shape[-2])
+            return func(*args[:3], **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def cache_through_checkpoint(trunk):
     """Let our caches into checkpointed decoder layers (transformers sets past_key_values=None otherwise)."""
@@ -81,12 +105,17 @@ def cache_through_checkpoint(trunk):
                 raise ValueError(
                     "kv_reuse needs non-reentrant gradient checkpointing; enable it with "
                     "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
+    saved = [layer.__dict__.get("_can_checkpoint_with_cache") for layer in layers]
+    for layer in layers:
         layer._can_checkpoint_with_cache = True
     try:
         yield
     finally:
-        for layer in layers:
-            del layer._can_checkpoint_with_cache  # back to the class default
+        for layer, v in zip(layers, saved):
+            if v is None:
+                del layer._can_checkpoint_with_cache  # back to the class default
+            else:
+                layer._can_checkpoint_with_cache = v
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -174,6 +203,8 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
         mask = torch.cat([prompt_mask[:, :-1].repeat_interleave(G, 0), prompt_mask[:, -1:].repeat_interleave(G, 0),
                           completion_mask[:, :-1]], dim=1)  # (B*G, P-1+C)
         pos_c = pos[:, -1:].repeat_interleave(G, 0) + torch.arange(C, device=pos.device)  # continues each prompt
+        if FLASH_LOWER_RIGHT and C > 1 and model.config._attn_implementation == "sdpa" and bool(prompt_mask.all()):
+            mask = LowerRightCausal((B * G, 1, C, P - 1 + C), ids.device)  # flash, no materialized mask
         out = trunk(input_ids=ids, attention_mask=mask, position_ids=pos_c, past_key_values=prefix, use_cache=False)
     return out.last_hidden_state  # (B*G, C, H)
 
@@ -319,21 +350,27 @@ def free():
         torch.cuda.empty_cache()
 
 
-def bench_train(model, logp, P, reuse):
-    """ms per fwd+bwd (completion_hidden + log-prob loss + backward) and peak GiB allocated"""
+def bench_train(model, logp, P, reuse, mixed=False):
+    """ms per fwd+bwd (completion_hidden + log-prob loss + backward) and peak GiB allocated. mixed=False: no
+    padding anywhere (the full path gets flash + is_causal); mixed=True: prompt lengths in [P/2, P] (left-padded)
+    and completion lengths in [C/2, C] (right-padded), the first of each full, so both paths need a mask."""
     g = torch.Generator(device=DEV).manual_seed(P)
     V = model.config.vocab_size
     prompt_ids = torch.randint(3, V, (B_, P), device=DEV, generator=g)
-    prompt_mask = torch.ones_like(prompt_ids)
     completion_ids = torch.randint(3, V, (B_ * G_, C_), device=DEV, generator=g)
-    completion_mask = torch.ones_like(completion_ids)  # no padding: the full path gets flash + is_causal
+    n_p = torch.randint(P // 2, P + 1, (B_,), device=DEV, generator=g) if mixed else torch.full((B_,), P, device=DEV)
+    n_c = torch.randint(C_ // 2, C_ + 1, (B_ * G_,), device=DEV, generator=g) if mixed else torch.full(
+        (B_ * G_,), C_, device=DEV)
+    n_p[0], n_c[0] = P, C_
+    prompt_mask = (torch.arange(P, device=DEV)[None] >= P - n_p[:, None]).long()  # (B, P) left-padded
+    completion_mask = (torch.arange(C_, device=DEV)[None] < n_c[:, None]).long()  # (B*G, C) right-padded
 
     def step():
         h = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, G_, reuse=reuse)
         lp = logp(h, model.lm_head.weight, completion_ids).view(B_ * G_, C_)
         loss = -(lp * completion_mask).sum() / completion_mask.sum()
         loss.backward()
-        return lp.detach()
+        return lp.detach() * completion_mask
 
     try:
         model.zero_grad(set_to_none=True)
@@ -399,20 +436,36 @@ def main():
           f"vocab {model.config.vocab_size}; B={B_} G={G_} C={C_}; ms per fwd+bwd (mean of {REPS}), peak GiB")
     print(f"{'P':>6} | {'full ms':>9} {'GiB':>6} | {'reuse ms':>9} {'GiB':>6} | {'speedup':>7} {'ceiling':>7} | "
           f"{'max|dlogp|':>10}")
-    rows = []
-    for P in PROMPT_LENS:
-        ms_f, gb_f, lp_f = bench_train(model, logp, P, reuse=False)
-        ms_r, gb_r, lp_r = bench_train(model, logp, P, reuse=True)
+    global FLASH_LOWER_RIGHT
+    rows, flash_ok = [], True
+    P2 = PROMPT_LENS[-2]
+    specs = [(P, False, True) for P in PROMPT_LENS] + [(P2, False, False), (P2, True, True)]
+    for P, mixed, flash in specs:
+        ms_f, gb_f, lp_f = bench_train(model, logp, P, reuse=False, mixed=mixed)
+        FLASH_LOWER_RIGHT = flash and flash_ok
+        try:
+            ms_r, gb_r, lp_r = bench_train(model, logp, P, reuse=True, mixed=mixed)
+        except Exception as e:  # noqa: BLE001 - keep the benchmark going on the mask path, say so
+            if not FLASH_LOWER_RIGHT:
+                raise
+            print(f"lower-right flash path failed ({type(e).__name__}: {e}); mask path from here on")
+            flash_ok = FLASH_LOWER_RIGHT = False
+            ms_r, gb_r, lp_r = bench_train(model, logp, P, reuse=True, mixed=mixed)
+        FLASH_LOWER_RIGHT = True
         ceiling = B_ * G_ * (P + C_) / (B_ * (P + G_ * C_))
         speedup = ms_f / ms_r if ms_f and ms_r else None
         diff = (lp_f - lp_r).abs().max().item() if lp_f is not None and lp_r is not None else None
-        rows.append(dict(P=P, full_ms=ms_f, full_gib=gb_f, reuse_ms=ms_r, reuse_gib=gb_r, speedup=speedup,
+        rows.append(dict(P=P, mixed_lengths=mixed, reuse_flash_lower_right=flash and flash_ok and not mixed,
+                         full_ms=ms_f, full_gib=gb_f, reuse_ms=ms_r, reuse_gib=gb_r, speedup=speedup,
                          ceiling=ceiling, max_abs_logp_diff=diff))
         fmt = lambda v, spec, ok=True: (format(v, spec) if v is not None else "-" if ok else "OOM").rjust(
             int(spec.split(".")[0]))
-        print(f"{P:>6} | {fmt(ms_f, '9.1f')} {fmt(gb_f, '6.2f', ms_f)} | {fmt(ms_r, '9.1f')} "
+        label = f"{P}{'*' if mixed else ''}{'~' if not flash else ''}"
+        print(f"{label:>6} | {fmt(ms_f, '9.1f')} {fmt(gb_f, '6.2f', ms_f)} | {fmt(ms_r, '9.1f')} "
               f"{fmt(gb_r, '6.2f', ms_r)} | {fmt(speedup, '6.2f', 0)}x {ceiling:6.2f}x | {fmt(diff, '10.2e', 0)}",
               flush=True)
+    print("     * mixed lengths: prompts in [P/2, P] left-padded, completions in [C/2, C] right-padded (mask path)")
+    print("     ~ reuse with FLASH_LOWER_RIGHT off: the completion pass gets a materialized (B*G, 1, C, P+C-1) mask")
     gen = bench_generate(model)
     print(f"generation, B={GEN_B} P={GEN_P} G={GEN_G}, up to {GEN_T} new tokens, sampling T=1:")
     for name, r in gen.items():

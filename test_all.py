@@ -428,11 +428,26 @@ def test_kv_edge_shapes():
     model.train()
     padded = _kv_batch(P=9, prompt_lens=(5, 2, 3), seed=5)
     padded = (padded[0], padded[1].bool(), padded[2], padded[3].bool())
-    for name, batch in (("C=1", _kv_batch(C=1, completion_lens=[1] * 9, seed=6)),
-                        ("P=1", _kv_batch(P=1, prompt_lens=(1, 1, 1), seed=7)),
-                        ("padded+bool", padded)):
+    calls = {"n": 0}
+    torch_function = kv_reuse.LowerRightCausal.__torch_function__.__func__
+
+    def counting(cls, func, types, args=(), kwargs=None):
+        calls["n"] += func is torch.nn.functional.scaled_dot_product_attention
+        return torch_function(cls, func, types, args, kwargs)
+
+    for name, batch, lower_right in (("C=1", _kv_batch(C=1, completion_lens=[1] * 9, seed=6), 0),
+                                     ("P=1", _kv_batch(P=1, prompt_lens=(1, 1, 1), seed=7), 0),
+                                     ("padded+bool", padded, 0),
+                                     ("no prompt padding", _kv_batch(prompt_lens=(7, 7, 7), seed=8), 2 * 2)):
         logp_full, grads_full = _kv_loss_and_grads(model, batch, G, reuse=False)
-        logp_reuse, grads_reuse = _kv_loss_and_grads(model, batch, G, reuse=True)
+        calls["n"] = 0
+        kv_reuse.LowerRightCausal.__torch_function__ = classmethod(counting)
+        try:
+            logp_reuse, grads_reuse = _kv_loss_and_grads(model, batch, G, reuse=True)
+        finally:
+            kv_reuse.LowerRightCausal.__torch_function__ = classmethod(torch_function)
+        # no padding in any prompt: SDPA gets torch's lower-right CausalBias (2 layers, forward + GC recompute)
+        assert calls["n"] == lower_right, f"{name}: {calls['n']} lower-right SDPA calls, want {lower_right}"
         err = (logp_reuse - logp_full).abs().max().item()
         assert err <= 1e-5, f"{name}: log-prob max abs error {err:.2e}"
         for n in grads_full:
