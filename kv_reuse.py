@@ -29,6 +29,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # full-attention decoders whose trunk we have checked
+CHECK_EVERY = 8  # generate_groups: decode steps between "all rows finished?" host syncs
 FLASH_LOWER_RIGHT = True  # sdpa + no prompt padding: lower-right causal attention instead of a materialized mask
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -237,7 +238,7 @@ def sample(logits, warpers):
 def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
                     top_k=0, eos_token_id=None, pad_token_id=None):
     """G completions per prompt, (B*G, C) right-padded ids and mask (1 up to and including EOS), row = b*G + g.
-    C <= max_new_tokens: generation stops as soon as every row has emitted an EOS."""
+    C <= max_new_tokens: the longest row (trailing all-padding columns are trimmed). Greedy when temperature=0."""
     if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
         raise ValueError("prompt_ids and prompt_mask must both be (B, P)")
     if not bool((prompt_mask[:, -1] == 1).all()):
@@ -266,6 +267,9 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         logits = prefill(model, prompt_ids, prompt_mask, pos, cache).repeat_interleave(G, 0)  # (B*G, V)
         cache.batch_repeat_interleave(G)  # (B*G, kvh, P, D) per layer
         mask = prompt_mask.repeat_interleave(G, 0)
+        # decode masks that cost no host sync (HF's 2D-mask path checks mask.all() on the host every step): none
+        # without prompt padding, a ready 4D boolean key mask (B*G, 1, 1, L) for sdpa, the 2D mask otherwise
+        padded, sdpa = not bool(prompt_mask.all()), model.config._attn_implementation == "sdpa"
         next_pos = pos[:, -1:].repeat_interleave(G, 0) + 1  # (B*G, 1)
         done = torch.zeros(mask.shape[0], dtype=torch.bool, device=dev)
         toks, keep = [], []
@@ -274,14 +278,18 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
             toks.append(tok)
             keep.append(~done)
             done = done | torch.isin(tok, eos)
-            if t == max_new_tokens - 1 or bool(done.all()):
+            # "all rows finished?" is a host sync that stalls the launch queue: ask every CHECK_EVERY steps
+            if t == max_new_tokens - 1 or ((t + 1) % CHECK_EVERY == 0 and bool(done.all())):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            logits = decode_one_token(model, tok[:, None], mask, next_pos, cache)
+            attn = (mask[:, None, None, :].bool() if sdpa else mask) if padded else None
+            logits = decode_one_token(model, tok[:, None], attn, next_pos, cache)
             next_pos = next_pos + 1
     finally:
         model.train(was_training)
-    return torch.stack(toks, 1), torch.stack(keep, 1).long()  # (B*G, C) each
+    ids, keep = torch.stack(toks, 1), torch.stack(keep, 1).long()  # (B*G, T) each
+    n = int(keep.sum(1).max())  # steps run after every row had finished are all padding
+    return ids[:, :n], keep[:, :n]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -501,26 +501,29 @@ def _kv_generate_reference(model, prompt_ids, prompt_mask, max_new_tokens, eos):
 @check
 @_kv_one_thread
 def test_kv_generate_greedy_matches_hf_generate():
+    """greedy generate_groups == model.generate on each prompt alone; padded prompts (4D sdpa / 2D eager decode
+    masks) and unpadded ones (no mask); an EOS list that ends row 0 mid-way, and one that ends every row by step 2
+    (generate_groups then trims the trailing all-padding columns of its CHECK_EVERY-step stop check)"""
     import kv_reuse
-    G, T = 3, 8
-    for arch in ("llama", "qwen2"):
-        model = tiny_model(arch, tied=arch == "qwen2")
-        prompt_ids, prompt_mask, _, _ = _kv_batch(G=G, prompt_lens=(7, 2, 4), seed=3)
-        # pick an EOS that greedy decoding really emits mid-way for prompt 0, so stopping is exercised
+    G, T = 3, 12
+    for arch, attn, lens in (("llama", "sdpa", (7, 2, 4)), ("qwen2", "sdpa", (7, 2, 4)),
+                             ("qwen2", "sdpa", (7, 7, 7)), ("llama", "eager", (7, 2, 4))):
+        model = tiny_model(arch, tied=arch == "qwen2", attn_implementation=attn)
+        prompt_ids, prompt_mask, _, _ = _kv_batch(G=G, prompt_lens=lens, seed=3)
         free = _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=99999)
-        eos = free[0][3]
-        ref = _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=[eos, 98])
-        ids, mask = kv_reuse.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=0.0,
-                                             eos_token_id=[eos, 98], pad_token_id=0)
-        assert ids.shape == mask.shape and ids.shape[0] == 3 * G and ids.shape[1] <= T
-        for r in range(ids.shape[0]):
-            n = int(mask[r].sum())
-            want = ref[r // G]
-            want = want[:want.index(eos) + 1] if eos in want else want  # up to and including EOS
-            assert ids[r, :n].tolist() == want, f"{arch} row {r}: {ids[r, :n].tolist()} != {want}"
-            assert mask[r, :n].all() and not mask[r, n:].any() and (ids[r, n:] == 0).all(), f"{arch} row {r} mask"
-        n0 = free[0].index(eos) + 1
-        assert n0 < T and int(mask[0].sum()) == n0, "EOS must end row 0, with mask 1 on the EOS"
+        for eos in ([free[0][3], 98], sorted({row[2] for row in free})):
+            name = f"{arch} {attn} prompts {lens} eos {eos}"
+            ref = _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=eos)
+            ids, mask = kv_reuse.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=0.0,
+                                                 eos_token_id=eos, pad_token_id=0)
+            assert ids.shape == mask.shape and ids.shape[0] == 3 * G, f"{name}: shapes"
+            lens_ref = [next((i + 1 for i, x in enumerate(row) if x in eos), len(row)) for row in ref]
+            assert ids.shape[1] == max(lens_ref), f"{name}: {ids.shape[1]} columns, want {max(lens_ref)}"
+            for r in range(ids.shape[0]):
+                n, want = int(mask[r].sum()), ref[r // G][:lens_ref[r // G]]  # up to and including EOS
+                assert ids[r, :n].tolist() == want, f"{name} row {r}: {ids[r, :n].tolist()} != {want}"
+                assert mask[r, :n].all() and not mask[r, n:].any() and (ids[r, n:] == 0).all(), f"{name} row {r}"
+            assert lens_ref[0] <= 4, f"{name}: EOS did not end row 0 early"
 
 
 @check
