@@ -17,7 +17,6 @@ transformers' checkpointing wrapper drops `past_key_values` unless the layer has
 """
 import contextlib
 import json
-import math
 import sys
 import time
 import warnings
@@ -227,7 +226,7 @@ def decode_one_token(model, tok, mask, pos, cache):
 
 
 def sample(logits, warpers):
-    if not warpers:  # temperature 0: greedy
+    if warpers is None:  # temperature 0: greedy
         return logits.argmax(-1)
     for w in warpers:
         logits = w(None, logits)
@@ -252,7 +251,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                        device=prompt_ids.device)
     pad = int(eos[0]) if pad_token_id is None else pad_token_id
     # same warper order as HF generate: temperature, top-k, top-p
-    warpers = []
+    warpers = None if temperature == 0 else []
     if temperature > 0:
         warpers += [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
         warpers += [TopKLogitsWarper(top_k)] if top_k > 0 else []

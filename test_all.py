@@ -547,6 +547,15 @@ def test_kv_generate_sampling_reproducible():
     greedy = kv_reuse.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=0.0, **kw)
     top1 = kv_reuse.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=0.7, top_k=1, **kw)
     assert torch.equal(greedy[0], top1[0]), "top_k=1 sampling != greedy"
+    # temperature 1, no warpers: the first token of 4000 samples follows softmax(logits) (total variation)
+    model.eval()
+    ids = prompt_ids[1:, prompt_mask[1] == 1]
+    with torch.no_grad():
+        p = torch.softmax(model(ids).logits[0, -1].float(), -1)
+    first, _ = kv_reuse.generate_groups(model, ids, torch.ones_like(ids), 4000, 1, **kw)
+    freq = torch.bincount(first[:, 0], minlength=p.numel()).float() / first.shape[0]
+    tv = 0.5 * (freq - p).abs().sum().item()
+    assert tv < 0.12, f"T=1 samples do not follow softmax(logits): total variation {tv:.3f}"
 
 # ----------------------------------------------------------------------------------------------------------------
 # batching.py / grpo.py
