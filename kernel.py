@@ -165,15 +165,31 @@ def _bwd_dz_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, g_ptr, gent_ptr, ws_
 
 @triton.jit
 def _mm_acc_kernel(a_ptr, b_ptr, c_ptr, M, NC, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-                   EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # C (M, NC) fp32 += A (M, K) @ B (K, NC): dH32 += ws @ weight[v_lo:v_hi], accumulated in fp32 across chunks
+    # C (M, NC) fp32 += A (M, K) @ B (K, NC): dH32 += ws @ weight[v_lo:v_hi], accumulated in fp32 across chunks.
+    # B's contiguous dim is NC: its offsets stay a plain arange (masked, not clamped) so loads stay 16-byte wide.
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(NC, BLOCK_N), GROUP_M)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
     mask_m, mask_n = offs_m < M, offs_n < NC
-    acc = _logits_tile(a_ptr, b_ptr, tl.where(mask_m, offs_m, M - 1), tl.where(mask_n, offs_n, NC - 1), K,
-                       stride_am, stride_ak, stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+    a_ptrs = a_ptr + tl.where(mask_m, offs_m, M - 1)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            if EVEN_N:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_k[:, None] < K - k0) & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     tl.store(c_ptrs, acc + tl.load(c_ptrs, mask=mask, other=0.0), mask=mask)
@@ -282,7 +298,7 @@ def _backward(hidden, weight, targets, lse, ent, g, g_ent, temperature, need_dh,
         if need_dh:
             w_c = weight[v_lo:v_hi]  # (vc, H)
             grid = (triton.cdiv(N, BN) * triton.cdiv(H, BV),)
-            m2 = dict(meta, EVEN_K=(v_hi - v_lo) % cfg["BLOCK_K"] == 0)
+            m2 = dict(meta, EVEN_K=(v_hi - v_lo) % cfg["BLOCK_K"] == 0, EVEN_N=H % BV == 0)
             m2["GROUP_M"] = m2.pop("GROUP_N")
             m2["BLOCK_M"], m2["BLOCK_N"] = m2.pop("BLOCK_N"), m2.pop("BLOCK_V")
             _mm_acc_kernel[grid](dz, w_c, dH32, N, H, v_hi - v_lo, dz.stride(0), dz.stride(1),
