@@ -19,6 +19,7 @@ import contextlib
 import json
 import sys
 import time
+import traceback
 import warnings
 
 import torch
@@ -323,8 +324,8 @@ def bench_model():
     return model.train()
 
 
-def logp_fn():
-    """(hidden, weight, targets) -> logp: logprobs.py's fused kernel (GPU) / chunked (CPU) if it exists"""
+def logp_fn(model):
+    """(hidden, weight, targets) -> logp: logprobs.py's fused kernel (GPU) / chunked (CPU) if it works"""
     def chunked(h, w, t, rows=2048):  # stand-in: fp32 log_softmax over row chunks, recomputed in backward
         h, t = h.reshape(-1, h.shape[-1]), t.reshape(-1)
         f = lambda hc, tc: torch.log_softmax((hc @ w.T).float(), -1).gather(-1, tc[:, None])[:, 0]
@@ -336,9 +337,9 @@ def logp_fn():
         from logprobs import token_logprobs
         impl = "fused" if CUDA else "chunked"
         fn = lambda h, w, t: token_logprobs(h, w, t, entropy=False, impl=impl)[0]
-        w = torch.randn(1000, 64, device=DEV, requires_grad=True)
-        h = torch.randn(8, 64, device=DEV, requires_grad=True)
-        fn(h, w, torch.arange(8, device=DEV)).sum().backward()  # smoke test: fall back rather than crash
+        w = model.lm_head.weight.detach().clone().requires_grad_()  # the benchmark's (V, H) and dtype
+        h = torch.randn(64, w.shape[1], device=DEV, dtype=w.dtype, requires_grad=True)
+        fn(h, w, torch.arange(64, device=DEV)).sum().backward()  # smoke test (and compile): fall back, not crash
         return fn, f"logprobs.{impl}"
     except Exception as e:  # noqa: BLE001 - logprobs.py is another engineer's work in progress
         print(f"logprobs.py unusable ({type(e).__name__}: {e}); using a torch chunked log-softmax")
@@ -391,9 +392,11 @@ def bench_train(model, logp, P, reuse, mixed=False):
         sync()
         ms = (time.perf_counter() - t0) * 1e3 / REPS
         peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else None
-        return ms, peak, lp.float().cpu()
-    except torch.OutOfMemoryError:
-        return None, None, None
+        return ms, peak, lp.float().cpu(), ""
+    except Exception as e:  # noqa: BLE001 - an OOM (or any failure) is a row that says so, not a dead benchmark
+        if not isinstance(e, torch.OutOfMemoryError):
+            traceback.print_exc()
+        return None, None, None, "OOM" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"
     finally:
         model.zero_grad(set_to_none=True)
         free()
@@ -435,7 +438,7 @@ def main():
     if not CUDA:
         torch.set_num_threads(1)  # tiny smoke shapes; the shared CPU is faster on one thread
     model = bench_model()
-    logp, logp_name = logp_fn()
+    logp, logp_name = logp_fn(model)
     dev_name = torch.cuda.get_device_name() if CUDA else "cpu"
     print(f"kv_reuse benchmark on {dev_name}: torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{'bf16' if CUDA else 'fp32'}, sdpa, GC on (non-reentrant), loss={logp_name}")
@@ -448,28 +451,25 @@ def main():
     P2 = PROMPT_LENS[-2]
     specs = [(P, False, True) for P in PROMPT_LENS] + [(P2, False, False), (P2, True, True)]
     for P, mixed, flash in specs:
-        ms_f, gb_f, lp_f = bench_train(model, logp, P, reuse=False, mixed=mixed)
+        ms_f, gb_f, lp_f, err_f = bench_train(model, logp, P, reuse=False, mixed=mixed)
         FLASH_LOWER_RIGHT = flash and flash_ok
-        try:
-            ms_r, gb_r, lp_r = bench_train(model, logp, P, reuse=True, mixed=mixed)
-        except Exception as e:  # noqa: BLE001 - keep the benchmark going on the mask path, say so
-            if not FLASH_LOWER_RIGHT:
-                raise
-            print(f"lower-right flash path failed ({type(e).__name__}: {e}); mask path from here on")
+        ms_r, gb_r, lp_r, err_r = bench_train(model, logp, P, reuse=True, mixed=mixed)
+        if err_r and err_r != "OOM" and FLASH_LOWER_RIGHT and not mixed:
+            print(f"lower-right flash path failed ({err_r}); mask path from here on")
             flash_ok = FLASH_LOWER_RIGHT = False
-            ms_r, gb_r, lp_r = bench_train(model, logp, P, reuse=True, mixed=mixed)
+            ms_r, gb_r, lp_r, err_r = bench_train(model, logp, P, reuse=True, mixed=mixed)
         FLASH_LOWER_RIGHT = True
         ceiling = B_ * G_ * (P + C_) / (B_ * (P + G_ * C_))
         speedup = ms_f / ms_r if ms_f and ms_r else None
         diff = (lp_f - lp_r).abs().max().item() if lp_f is not None and lp_r is not None else None
         rows.append(dict(P=P, mixed_lengths=mixed, reuse_flash_lower_right=flash and flash_ok and not mixed,
                          full_ms=ms_f, full_gib=gb_f, reuse_ms=ms_r, reuse_gib=gb_r, speedup=speedup,
-                         ceiling=ceiling, max_abs_logp_diff=diff))
-        fmt = lambda v, spec, ok=True: (format(v, spec) if v is not None else "-" if ok else "OOM").rjust(
+                         ceiling=ceiling, max_abs_logp_diff=diff, full_error=err_f, reuse_error=err_r))
+        fmt = lambda v, spec, err="": (format(v, spec) if v is not None else (err or "-")[:3]).rjust(
             int(spec.split(".")[0]))
         label = f"{P}{'*' if mixed else ''}{'~' if not flash else ''}"
-        print(f"{label:>6} | {fmt(ms_f, '9.1f')} {fmt(gb_f, '6.2f', ms_f)} | {fmt(ms_r, '9.1f')} "
-              f"{fmt(gb_r, '6.2f', ms_r)} | {fmt(speedup, '6.2f', 0)}x {ceiling:6.2f}x | {fmt(diff, '10.2e', 0)}",
+        print(f"{label:>6} | {fmt(ms_f, '9.1f', err_f)} {fmt(gb_f, '6.2f', err_f)} | {fmt(ms_r, '9.1f', err_r)} "
+              f"{fmt(gb_r, '6.2f', err_r)} | {fmt(speedup, '6.2f')}x {ceiling:6.2f}x | {fmt(diff, '10.2e')}",
               flush=True)
     print("     * mixed lengths: prompts in [P/2, P] left-padded, completions in [C/2, C] right-padded (mask path)")
     print("     ~ reuse with FLASH_LOWER_RIGHT off: the completion pass gets a materialized (B*G, 1, C, P+C-1) mask")
