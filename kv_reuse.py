@@ -425,8 +425,8 @@ def bench_generate(model):
                 sync()
                 dt = time.perf_counter() - t0
                 out[name] = dict(s=round(dt, 3), new_tokens=int(ids.shape[1]), tok_per_s=round(ids.numel() / dt, 1))
-            except torch.OutOfMemoryError:
-                out[name] = "OOM"
+            except Exception as e:  # noqa: BLE001 - report it, keep going
+                out[name] = "OOM" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"
             free()
     finally:
         model.train()
