@@ -293,17 +293,20 @@ if GPU:
 # ----------------------------------------------------------------------------------------------------------------
 
 def _kv_one_thread(fn):
-    """tiny-model checks run on 1 thread: with the 2 cores shared, 2 OpenMP threads made them ~50x slower"""
+    """tiny-model checks run on 1 CPU thread (with the 2 cores shared, 2 OpenMP threads made them ~50x slower) and,
+    on a GPU, in true fp32 (TF32 off) so the 1e-5 parity bounds mean the same thing there"""
     import functools
 
     @functools.wraps(fn)
     def run():
-        n = torch.get_num_threads()
+        n, tf32 = torch.get_num_threads(), (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
         torch.set_num_threads(1)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         try:
             return fn()
         finally:
             torch.set_num_threads(n)
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     return run
 
 
@@ -325,6 +328,10 @@ def tiny_model(arch="llama", tied=False, **kw):
     return getattr(transformers, cls[1])(config).float().eval()
 
 
+def _kv_model(*args, **kw):
+    return tiny_model(*args, **kw).to(DEVICE)  # the checks run on the GPU when there is one
+
+
 def _kv_batch(B=3, P=7, G=3, C=6, prompt_lens=(7, 1, 4), completion_lens=None, vocab=100, seed=0):
     """left-padded prompts, right-padded completions (mixed lengths: one of length 1, one full)"""
     g = torch.Generator().manual_seed(seed)
@@ -336,7 +343,8 @@ def _kv_batch(B=3, P=7, G=3, C=6, prompt_lens=(7, 1, 4), completion_lens=None, v
     completion_ids = torch.randint(3, vocab, (B * G, C), generator=g)
     lens = completion_lens or [1, C] + torch.randint(1, C + 1, (B * G - 2,), generator=g).tolist()
     completion_mask = (torch.arange(C)[None] < torch.tensor(lens)[:, None]).long()
-    return prompt_ids, prompt_mask, completion_ids.masked_fill(completion_mask == 0, 0), completion_mask
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, 0)
+    return tuple(t.to(DEVICE) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask))
 
 
 def _kv_logp(model, hidden, completion_ids):
@@ -351,7 +359,7 @@ def _kv_loss_and_grads(model, batch, G, reuse):
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch
     hidden = kv_reuse.completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, G, reuse)
     logp = _kv_logp(model, hidden, completion_ids)
-    w = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1)).to(logp.device)
     (logp * w * completion_mask).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return logp.detach() * completion_mask, grads
@@ -375,7 +383,7 @@ def test_kv_parity_logp_and_grads():
 
     for arch, tied, attn in cases:
         for gc in (False, True):
-            model = tiny_model(arch, tied, attn_implementation=attn)
+            model = _kv_model(arch, tied, attn_implementation=attn)
             if gc:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
@@ -404,7 +412,7 @@ def test_kv_no_grad_and_inference_mode():
     import kv_reuse
     G = 3
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch = _kv_batch(G=G, seed=2)
-    model = tiny_model("qwen2", tied=False)
+    model = _kv_model("qwen2", tied=False)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # GC active even without grad
     with torch.no_grad():
@@ -423,7 +431,7 @@ def test_kv_edge_shapes():
     """C=1, all prompts of length 1 (P=1), prompts padded past the longest one (trimmed) with bool masks"""
     import kv_reuse
     G = 3
-    model = tiny_model("qwen2", tied=True)
+    model = _kv_model("qwen2", tied=True)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     padded = _kv_batch(P=9, prompt_lens=(5, 2, 3), seed=5)
@@ -463,7 +471,7 @@ def test_kv_bad_inputs_and_unsupported_models():
     import kv_reuse
     G = 3
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch = _kv_batch(G=G)
-    model = tiny_model("llama")
+    model = _kv_model("llama")
     right_padded = prompt_mask.flip(1)
     assert_raises(ValueError, lambda: kv_reuse.completion_hidden(
         model, prompt_ids, right_padded, completion_ids, completion_mask, G), "left-padded")
@@ -476,7 +484,7 @@ def test_kv_bad_inputs_and_unsupported_models():
     model.train()
     assert_raises(ValueError, lambda: kv_reuse.completion_hidden(model, *batch, G), "use_reentrant")
     # a sliding-window model: one warning, then the full path (never wrong numbers)
-    sw = tiny_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    sw = _kv_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
     assert "sliding_attention" in sw.config.layer_types
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -508,7 +516,7 @@ def test_kv_generate_greedy_matches_hf_generate():
     G, T = 3, 12
     for arch, attn, lens in (("llama", "sdpa", (7, 2, 4)), ("qwen2", "sdpa", (7, 2, 4)),
                              ("qwen2", "sdpa", (7, 7, 7)), ("llama", "eager", (7, 2, 4))):
-        model = tiny_model(arch, tied=arch == "qwen2", attn_implementation=attn)
+        model = _kv_model(arch, tied=arch == "qwen2", attn_implementation=attn)
         prompt_ids, prompt_mask, _, _ = _kv_batch(G=G, prompt_lens=lens, seed=3)
         free = _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=99999)
         for eos in ([free[0][3], 98], sorted({row[2] for row in free})):
@@ -532,7 +540,7 @@ def test_kv_generate_sampling_reproducible():
     """sampling follows torch's global RNG; top_k=1 is greedy; the G rows of a group are independent samples"""
     import kv_reuse
     G, T = 4, 6
-    model = tiny_model("llama")
+    model = _kv_model("llama")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # as in the trainer: generate_groups samples in eval mode, then restores train mode
     prompt_ids, prompt_mask, _, _ = _kv_batch(B=2, G=G, prompt_lens=(7, 3), seed=4)
