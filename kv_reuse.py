@@ -17,6 +17,7 @@ transformers' checkpointing wrapper drops `past_key_values` unless the layer has
 """
 import contextlib
 import json
+import math
 import sys
 import time
 import traceback
@@ -358,10 +359,10 @@ def free():
         torch.cuda.empty_cache()
 
 
-def bench_train(model, logp, P, reuse, mixed=False):
-    """ms per fwd+bwd (completion_hidden + log-prob loss + backward) and peak GiB allocated. mixed=False: no
-    padding anywhere (the full path gets flash + is_causal); mixed=True: prompt lengths in [P/2, P] (left-padded)
-    and completion lengths in [C/2, C] (right-padded), the first of each full, so both paths need a mask."""
+def bench_batch(model, P, mixed=False):
+    """random (B, P) prompts and (B*G, C) completions. mixed=False: no padding anywhere (the full path gets flash +
+    is_causal); mixed=True: prompt lengths in [P/2, P] (left-padded) and completion lengths in [C/2, C]
+    (right-padded), the first of each full, so both paths need a mask."""
     g = torch.Generator(device=DEV).manual_seed(P)
     V = model.config.vocab_size
     prompt_ids = torch.randint(3, V, (B_, P), device=DEV, generator=g)
@@ -372,6 +373,34 @@ def bench_train(model, logp, P, reuse, mixed=False):
     n_p[0], n_c[0] = P, C_
     prompt_mask = (torch.arange(P, device=DEV)[None] >= P - n_p[:, None]).long()  # (B, P) left-padded
     completion_mask = (torch.arange(C_, device=DEV)[None] < n_c[:, None]).long()  # (B*G, C) right-padded
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def grad_check(model, logp, P):
+    """relative difference of every parameter's gradient, reuse vs full path, one step at (B, G, C, P); in bf16
+    both sides carry rounding noise (~1e-2), a lost prompt-K/V gradient (TRL #2669) shows up as ~0.5"""
+    prompt_ids, prompt_mask, completion_ids, completion_mask = bench_batch(model, P)
+    grads = []
+    for reuse in (False, True):
+        model.zero_grad(set_to_none=True)
+        h = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, G_, reuse=reuse)
+        lp = logp(h, model.lm_head.weight, completion_ids).view(B_ * G_, C_)
+        (-(lp * completion_mask).sum() / completion_mask.sum()).backward()
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    model.zero_grad(set_to_none=True)
+    rel = {n: ((grads[1][n].float() - g.float()).norm() / g.float().norm().clamp_min(1e-30)).item()
+           for n, g in grads[0].items()}
+    total = math.sqrt(sum(((grads[1][n].float() - g.float()) ** 2).sum().item() for n, g in grads[0].items()) /
+                      sum((g.float() ** 2).sum().item() for g in grads[0].values()))
+    worst = max(rel, key=rel.get)
+    del grads
+    free()
+    return dict(P=P, all_params=total, worst_param=worst, worst=rel[worst], embed=rel.get("model.embed_tokens.weight"))
+
+
+def bench_train(model, logp, P, reuse, mixed=False):
+    """ms per fwd+bwd (completion_hidden + log-prob loss + backward) and peak GiB allocated"""
+    prompt_ids, prompt_mask, completion_ids, completion_mask = bench_batch(model, P, mixed)
 
     def step():
         h = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, G_, reuse=reuse)
@@ -444,6 +473,13 @@ def main():
           f"{'bf16' if CUDA else 'fp32'}, sdpa, GC on (non-reentrant), loss={logp_name}")
     print(f"Qwen2-shaped random model: hidden {model.config.hidden_size}, {model.config.num_hidden_layers} layers, "
           f"vocab {model.config.vocab_size}; B={B_} G={G_} C={C_}; ms per fwd+bwd (mean of {REPS}), peak GiB")
+    try:
+        gcheck = grad_check(model, logp, PROMPT_LENS[0])
+        print(f"grad check at P={gcheck['P']}: ||g_reuse - g_full|| / ||g_full|| = {gcheck['all_params']:.2e} over all "
+              f"parameters, embeddings {gcheck['embed']:.2e}, worst {gcheck['worst_param']} {gcheck['worst']:.2e}")
+    except Exception as e:  # noqa: BLE001
+        gcheck = f"{type(e).__name__}: {e}"
+        print(f"grad check failed: {gcheck}")
     print(f"{'P':>6} | {'full ms':>9} {'GiB':>6} | {'reuse ms':>9} {'GiB':>6} | {'speedup':>7} {'ceiling':>7} | "
           f"{'max|dlogp|':>10}")
     global FLASH_LOWER_RIGHT
@@ -479,7 +515,7 @@ def main():
         print(f"  {name:>16}: " + (r if isinstance(r, str) else f"{r['tok_per_s']:10.1f} tok/s "
                                    f"({r['s']:.2f} s, {r['new_tokens']} new tokens per row)"))
     print(json.dumps(dict(device=dev_name, torch=torch.__version__, transformers=transformers.__version__,
-                          B=B_, G=G_, C=C_, loss=logp_name, train=rows, generate=gen)))
+                          B=B_, G=G_, C=C_, loss=logp_name, grad_check=gcheck, train=rows, generate=gen)))
 
 
 if __name__ == "__main__":
