@@ -14,6 +14,15 @@ layer in backward, so the caches here never append: the prefill's cache *sets* e
 completion pass's cache returns cat(prefix, new) without storing anything, so a recompute sees the same tensors.
 transformers' checkpointing wrapper drops `past_key_values` unless the layer has `_can_checkpoint_with_cache`
 (5.17 through 5.23), which we set on the layer instances for the duration of the call.
+
+Attention in the completion pass: each of the B*G rows attends its prompt (P-1 keys) plus its own completion,
+lower-right causal. HF builds that mask from the 2D (B*G, P-1+C) padding mask we pass; when no prompt has padding
+(sdpa only) we hand SDPA torch's lower-right CausalBias instead, which runs as flash attention.
+
+    completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size, reuse=True)
+        -> (B*G, C, H) final-norm hidden states, row t predicts completion token t
+    generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
+                    top_k=0, eos_token_id=None, pad_token_id=None) -> (completion_ids, completion_mask) (B*G, C)
 """
 import contextlib
 import json
@@ -326,25 +335,18 @@ def bench_model():
 
 
 def logp_fn(model):
-    """(hidden, weight, targets) -> logp: logprobs.py's fused kernel (GPU) / chunked (CPU) if it works"""
-    def chunked(h, w, t, rows=2048):  # stand-in: fp32 log_softmax over row chunks, recomputed in backward
-        h, t = h.reshape(-1, h.shape[-1]), t.reshape(-1)
-        f = lambda hc, tc: torch.log_softmax((hc @ w.T).float(), -1).gather(-1, tc[:, None])[:, 0]
-        out = [torch.utils.checkpoint.checkpoint(f, h[i:i + rows], t[i:i + rows], use_reentrant=False)
-               for i in range(0, h.shape[0], rows)]
-        return torch.cat(out)
-
-    try:
-        from logprobs import token_logprobs
-        impl = "fused" if CUDA else "chunked"
-        fn = lambda h, w, t: token_logprobs(h, w, t, entropy=False, impl=impl)[0]
-        w = model.lm_head.weight.detach().clone().requires_grad_()  # the benchmark's (V, H) and dtype
-        h = torch.randn(64, w.shape[1], device=DEV, dtype=w.dtype, requires_grad=True)
-        fn(h, w, torch.arange(64, device=DEV)).sum().backward()  # smoke test (and compile): fall back, not crash
-        return fn, f"logprobs.{impl}"
-    except Exception as e:  # noqa: BLE001 - logprobs.py is another engineer's work in progress
-        print(f"logprobs.py unusable ({type(e).__name__}: {e}); using a torch chunked log-softmax")
-        return chunked, "torch chunked (stand-in)"
+    """(hidden, weight, targets) -> logp with logprobs.py: fused on the GPU if it passes a smoke test, else chunked"""
+    from logprobs import token_logprobs
+    for impl in ("fused", "chunked") if CUDA else ("chunked",):
+        fn = lambda h, w, t, impl=impl: token_logprobs(h, w, t, entropy=False, impl=impl)[0]
+        try:  # the benchmark's (V, H) and dtype; compiles the kernel before any timing
+            w = model.lm_head.weight.detach().clone().requires_grad_()
+            h = torch.randn(64, w.shape[1], device=DEV, dtype=w.dtype, requires_grad=True)
+            fn(h, w, torch.arange(64, device=DEV)).sum().backward()
+            return fn, f"logprobs.{impl}"
+        except Exception as e:  # noqa: BLE001 - fall back rather than lose the whole benchmark
+            print(f"logprobs impl={impl} failed ({type(e).__name__}: {e})")
+    raise RuntimeError("no usable logprobs.token_logprobs impl")
 
 
 def sync():
