@@ -8,8 +8,9 @@ repeated G times, and only the completions run on top of them.
 completion_hidden() returns the final-norm hidden states that predict each completion token; the caller applies
 lm_head (logprobs.py). generate_groups() samples G completions per prompt from one prefill with a KV cache.
 
-Why the prefill must keep its graph: d(loss)/d(prompt K/V) is most of the gradient that reaches the prompt's
-positions (TRL PR #2669 ran the prefill under no_grad and lost it). Gradient checkpointing re-runs each decoder
+Why the prefill must keep its graph: the completions' loss reaches the prompt's positions only through their K/V
+(TRL PR #2669 ran the prefill under no_grad and lost all of it: half the embedding gradient in test_kv_*'s tiny
+models, and every weight's gradient from the prompt positions). Gradient checkpointing re-runs each decoder
 layer in backward, so the caches here never append: the prefill's cache *sets* each layer's K/V once, and the
 completion pass's cache returns cat(prefix, new) without storing anything, so a recompute sees the same tensors.
 transformers' checkpointing wrapper drops `past_key_values` unless the layer has `_can_checkpoint_with_cache`
@@ -311,6 +312,7 @@ B_, G_, C_ = (4, 8, 256) if CUDA else (2, 4, 16)
 PROMPT_LENS = (512, 2048, 4096, 8192) if CUDA else (32, 64)
 GEN_B, GEN_G, GEN_P, GEN_T = (2, 16, 2048, 128) if CUDA else (2, 4, 32, 8)
 REPS = 3 if CUDA else 1
+OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 def bench_model():
@@ -425,9 +427,9 @@ def bench_train(model, logp, P, reuse, mixed=False):
         peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else None
         return ms, peak, lp.float().cpu(), ""
     except Exception as e:  # noqa: BLE001 - an OOM (or any failure) is a row that says so, not a dead benchmark
-        if not isinstance(e, torch.OutOfMemoryError):
+        if not isinstance(e, OOM):
             traceback.print_exc()
-        return None, None, None, "OOM" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"
+        return None, None, None, "OOM" if isinstance(e, OOM) else f"{type(e).__name__}: {e}"
     finally:
         model.zero_grad(set_to_none=True)
         free()
@@ -457,7 +459,7 @@ def bench_generate(model):
                 dt = time.perf_counter() - t0
                 out[name] = dict(s=round(dt, 3), new_tokens=int(ids.shape[1]), tok_per_s=round(ids.numel() / dt, 1))
             except Exception as e:  # noqa: BLE001 - report it, keep going
-                out[name] = "OOM" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"
+                out[name] = "OOM" if isinstance(e, OOM) else f"{type(e).__name__}: {e}"
             free()
     finally:
         model.train()
