@@ -116,38 +116,33 @@ def completion_logprobs(model, mb, keep, temperature, logprob_impl, kv_reuse, en
                                mb["completion_mask"], mb["group_size"], reuse=kv_reuse)  # (B*G, C, H)
     h = hidden[keep]  # (N, H): the only rows the LM head ever sees
     targets = mb["completion_ids"][keep]  # (N,)
-    weight = model.get_output_embeddings().weight  # (V, H), float32 master weights
-    dev = weight.device.type
-    # under autocast the LM head runs in the autocast dtype (token_logprobs wants hidden and weight in one dtype)
-    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
-    return token_logprobs(h.to(dt), weight.to(dt), targets, temperature=temperature, entropy=entropy,
+    weight = model.get_output_embeddings().weight  # (V, H)
+    return token_logprobs(h.to(weight.dtype), weight, targets, temperature=temperature, entropy=entropy,
                           impl=logprob_impl)
 
 
 @torch.no_grad()
-def fill_logprobs(model, buf, key, mbs, temperature, logprob_impl, kv_reuse, autocast):
+def fill_logprobs(model, buf, key, mbs, temperature, logprob_impl, kv_reuse):
     """buf[key] = (B*G, C) log-probs of the current weights of `model`, zero at masked positions"""
     out = torch.zeros(buf["completion_ids"].shape, dtype=torch.float32, device=buf["completion_ids"].device)
     G = buf["group_size"]
     for b0, b1 in mbs:
         mb = slice_groups(buf, b0, b1)
         keep = mb["completion_mask"].bool()
-        with autocast():
-            logp, _ = completion_logprobs(model, mb, keep, temperature, logprob_impl, kv_reuse, entropy=False)
+        logp, _ = completion_logprobs(model, mb, keep, temperature, logprob_impl, kv_reuse, entropy=False)
         rows = out[b0 * G:b1 * G, :keep.shape[1]]  # a view into out
         rows[keep] = logp.float()
     buf[key] = out
 
 
-def micro_batch_loss(model, mb, cfg, autocast):
+def micro_batch_loss(model, mb, cfg):
     """sum over this micro-batch's tokens of per_token_loss * weight (weights carry the global normalizer), with
         ratio = exp(logp - old_logp),  l = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) + beta * k3
         k3 = exp(ref - logp) - (ref - logp) - 1   (unbiased, always >= 0 KL estimate, Schulman)
     when old_logp is absent (one update per generation) old = logp.detach(): ratio is exactly 1, the gradient is
     A * grad(logp)."""
     keep = mb["loss_weights"] > 0  # (B*G, C): loss mask 1 (masked truncated rows drop out here, before the LM head)
-    with autocast():
-        logp, ent = completion_logprobs(model, mb, keep, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse, True)
+    logp, ent = completion_logprobs(model, mb, keep, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse, True)
     logp = logp.float()  # (N,)
     adv = mb["advantages"][:, None].expand_as(keep)[keep]  # (N,)
     w = mb["loss_weights"][keep]  # (N,)
@@ -174,10 +169,12 @@ def micro_batch_loss(model, mb, cfg, autocast):
     return loss, stats
 
 
-def update_step(model, optimizer, buf, mbs, cfg, autocast):
+def update_step(model, optimizer, buf, mbs, cfg, master=None):
     """one optimizer step over the whole generation batch: accumulate the micro-batches' gradients, clip, step.
     Because every token's weight already holds the whole-batch normalizer, the summed gradient is identical
-    (up to float rounding) for any micro-batch split."""
+    (up to float rounding) for any micro-batch split. With `master` (float32 copies of a bf16/fp16 model's
+    parameters, which the optimizer holds) the gradients go to the masters and the stepped masters are rounded
+    back into the model."""
     G = buf["group_size"]
     totals = {}
     w_sum = buf["loss_weights"].sum().item()  # what the weighted means above are relative to
@@ -187,7 +184,7 @@ def update_step(model, optimizer, buf, mbs, cfg, autocast):
         if not (mb["loss_weights"] > 0).any():
             continue  # e.g. every completion of these groups truncated and masked
         try:
-            loss, stats = micro_batch_loss(model, mb, cfg, autocast)
+            loss, stats = micro_batch_loss(model, mb, cfg)
             loss.backward()
         except torch.cuda.OutOfMemoryError as e:
             raise torch.cuda.OutOfMemoryError(
@@ -197,16 +194,25 @@ def update_step(model, optimizer, buf, mbs, cfg, autocast):
         loss_total += loss.item()
         for k, v in stats.items():
             totals[k] = max(totals.get(k, 0.0), v) if k.endswith("_max") else totals.get(k, 0.0) + v
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    params = list(model.parameters())
+    if master is not None:  # the gradients move to the float32 masters first, so the clip norm is float32 too
+        for m, p in zip(master, params):
+            m.grad, p.grad = (p.grad.float() if p.grad is not None else None), None
+    grad_norm = torch.nn.utils.clip_grad_norm_(master if master is not None else params,
+                                               cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if master is not None:
+        with torch.no_grad():
+            for m, p in zip(master, params):
+                p.copy_(m)
     out = {k: v if k.endswith("_max") else v / max(w_sum, 1e-12) for k, v in totals.items()}
     out["loss"] = loss_total
     out["grad_norm"] = grad_norm.item()
     return out
 
 
-def prepare_buffer(model, ref_model, buf, rewards, cfg, autocast):
+def prepare_buffer(model, ref_model, buf, rewards, cfg):
     """everything the updates need that does not change between them: advantages, per-token weights, and the
     old/ref log-probs under no_grad. Returns the micro-batch split and the fraction of zero-std groups."""
     G = buf["group_size"]
@@ -218,7 +224,7 @@ def prepare_buffer(model, ref_model, buf, rewards, cfg, autocast):
     mbs = micro_batches(buf["prompt_mask"], buf["completion_mask"], G, cfg.micro_batch_tokens)
     if cfg.num_iterations > 1:
         # the first update would see ratio = 1 anyway; later ones need the sampling policy's log-probs
-        fill_logprobs(model, buf, "old_logp", mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse, autocast)
+        fill_logprobs(model, buf, "old_logp", mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse)
     if cfg.beta > 0:
-        fill_logprobs(ref_model, buf, "ref_logp", mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse, autocast)
+        fill_logprobs(ref_model, buf, "ref_logp", mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse)
     return mbs, frac_zero_std

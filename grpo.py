@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 import zipfile
-from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -56,7 +55,7 @@ kv_reuse = True  # forward each group's prompt once and reuse its KV cache for t
 gradient_checkpointing = False
 micro_batch_tokens = 32768  # token budget of a micro-batch (whole groups of P + G*C tokens); lower it on OOM
 device = "auto"  # auto | cuda | cpu
-dtype = "bfloat16"  # compute dtype (autocast); weights and optimizer stay float32 (bf16 weights drop lr*1e-3 updates)
+dtype = "bfloat16"  # the model runs in this dtype; AdamW steps float32 master copies (see make_optimizer)
 seed = 1337
 eval_every = 10
 eval_size = 100
@@ -264,11 +263,14 @@ def load_model(path, dev):
 # checkpoints: out_dir/ckpt is an HF directory (safetensors + tokenizer) plus trainer_state.pt (optimizer, RNG, step),
 # written to ckpt.tmp and renamed into place, so a crash mid-save never leaves a half-written ckpt behind
 # ------------------------------------------------------------------------------------------------------------------
-def save_checkpoint(cfg, model, tokenizer, optimizer, step):
+def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
     final = os.path.join(cfg.out_dir, "ckpt")
     tmp, old = final + ".tmp", final + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    if master is not None:  # the float32 masters are the weights; the bf16 model is their rounding
+        model.save_pretrained(tmp, state_dict={n: m for (n, _), m in zip(model.named_parameters(), master)})
+    else:
+        model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     rng = dict(torch=torch.get_rng_state(), python=random.getstate(),
                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
@@ -313,13 +315,26 @@ def resolve(cfg):
             raise ValueError(f"--{key}={getattr(cfg, key)!r}: use one of {ok}")
     if cfg.group_size < 2:
         raise ValueError("--group_size must be >= 2: the advantage is a reward minus its group's mean")
-    dt = getattr(torch, cfg.dtype)
-    autocast = (lambda: torch.autocast(dev.type, dtype=dt)) if dt != torch.float32 else nullcontext
-    return dev, autocast
+    return dev, getattr(torch, cfg.dtype)
+
+
+def make_optimizer(policy, cfg, dt):
+    """AdamW over float32 weights. For a bf16/fp16 run the model itself holds dt copies (generation, forward and
+    backward all run in dt) and the optimizer holds float32 masters, rounded into the model after each step:
+    stepping bf16 weights directly drops every update below 2^-8 of the weight, and an lr=1e-5 AdamW update is
+    ~1e-3 of a typical weight. Returns (optimizer, masters or None)."""
+    master = None
+    if dt != torch.float32:
+        master = [p.detach().clone().requires_grad_(True) for p in policy.parameters()]  # float32, before .to(dt)
+        policy.to(dt)
+    params = master if master is not None else list(policy.parameters())
+    fused = {"fused": True} if params[0].is_cuda else {}
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay, **fused)
+    return opt, master
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, autocast, batch=128):
+def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
     """held-out greedy accuracy (temperature 0, one completion per prompt)"""
     from batching import rollout
     model.eval()
@@ -327,9 +342,8 @@ def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, autocast, batch=12
     for i in range(0, len(eval_set), batch):
         chunk = eval_set[i:i + batch]
         ids, mask = encode_prompts(tokenizer, [q for q, _ in chunk], cfg.max_prompt_len, dev)
-        with autocast():
-            buf = rollout(model, ids, mask, 1, cfg.max_completion_len, 0.0, 1.0, tokenizer.eos_token_id,
-                          tokenizer.pad_token_id)
+        buf = rollout(model, ids, mask, 1, cfg.max_completion_len, 0.0, 1.0, tokenizer.eos_token_id,
+                      tokenizer.pad_token_id)
         texts = tokenizer.batch_decode(buf["completion_ids"], skip_special_tokens=True)
         for text, (_, target) in zip(texts, chunk):
             r, ok = reward_fn(text, target)
@@ -345,7 +359,7 @@ def train(argv):
     from batching import prepare_buffer, rollout, update_step
     t_start = time.time()
     cfg = parse_config(argv)
-    dev, autocast = resolve(cfg)
+    dev, dt = resolve(cfg)
     print("config:", json.dumps(vars(cfg)), f"(resolved device={dev}, logprob_impl={cfg.logprob_impl})")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -360,8 +374,8 @@ def train(argv):
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = None
     if cfg.beta > 0:  # k3 KL anchor: the initial weights, frozen
-        ref_model = load_model(base, dev).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+        ref_model = load_model(base, dev).to(dt).eval().requires_grad_(False)
+    optimizer, master = make_optimizer(policy, cfg, dt)
     make_prompts, reward_fn = TASKS[cfg.task]
     eval_set = held_out_set(make_prompts, cfg.eval_size, cfg.difficulty)
     eval_questions = {q for q, _ in eval_set}
@@ -374,7 +388,7 @@ def train(argv):
         print(f"resumed from {ckpt} at step {step}")
     else:
         records = []
-        acc, fmt = evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev, autocast)
+        acc, fmt = evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev)
         records.append(dict(step=0, eval_accuracy=acc, eval_format=fmt, minutes=(time.time() - t_start) / 60))
         print(f"step 0: held-out greedy accuracy {acc:.3f} (format {fmt:.3f}) on {len(eval_set)} prompts")
     with open(log_path, "w") as f:
@@ -393,9 +407,8 @@ def train(argv):
         prompt_ids, prompt_mask = encode_prompts(tokenizer, [q for q, _ in batch], cfg.max_prompt_len, dev)
         policy.eval()
         try:
-            with autocast():
-                buf = rollout(policy, prompt_ids, prompt_mask, cfg.group_size, cfg.max_completion_len, cfg.temperature,
-                              cfg.top_p, tokenizer.eos_token_id, tokenizer.pad_token_id)
+            buf = rollout(policy, prompt_ids, prompt_mask, cfg.group_size, cfg.max_completion_len, cfg.temperature,
+                          cfg.top_p, tokenizer.eos_token_id, tokenizer.pad_token_id)
         except torch.cuda.OutOfMemoryError as e:
             raise torch.cuda.OutOfMemoryError("out of GPU memory while generating: lower --prompts_per_step, "
                                               "--group_size or --max_completion_len") from e
@@ -405,10 +418,10 @@ def train(argv):
         rewards = torch.tensor([r for r, _ in scored], dtype=torch.float32, device=dev)  # (B*G,)
         t1 = time.time()
         # 3. advantages, loss weights, old/ref log-probs; then num_iterations optimizer steps on the same buffer
-        mbs, frac_zero_std = prepare_buffer(policy, ref_model, buf, rewards, cfg, autocast)
+        mbs, frac_zero_std = prepare_buffer(policy, ref_model, buf, rewards, cfg)
         policy.train()
         for _ in range(cfg.num_iterations):
-            stats = update_step(policy, optimizer, buf, mbs, cfg, autocast)
+            stats = update_step(policy, optimizer, buf, mbs, cfg, master)
         t2 = time.time()
         lens = buf["completion_mask"].sum(1).float()
         n_tok = int(buf["prompt_mask"].sum()) * cfg.group_size + int(lens.sum())
@@ -422,15 +435,14 @@ def train(argv):
         out_of_time = cfg.max_minutes > 0 and time.time() - t_start > cfg.max_minutes * 60
         last = step == cfg.max_steps or out_of_time
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or last:
-            rec["eval_accuracy"], rec["eval_format"] = evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev,
-                                                                autocast)
+            rec["eval_accuracy"], rec["eval_format"] = evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev)
         records.append(rec)
         with open(log_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         pbar.set_postfix(reward=f"{rec['reward_mean']:.3f}", acc=f"{rec['accuracy']:.2f}")
         tqdm.write(format_record(rec))
         if (cfg.save_every > 0 and step % cfg.save_every == 0) or last:
-            save_checkpoint(cfg, policy, tokenizer, optimizer, step)
+            save_checkpoint(cfg, policy, master, tokenizer, optimizer, step)
         if out_of_time:
             tqdm.write(f"max_minutes={cfg.max_minutes} reached after step {step}")
             break
