@@ -15,6 +15,7 @@ gradient-accumulation micro-batch and "how many updates per sample" is its own k
 Response-only rows (slime #2076): of the (B*G, C, H) hidden states only the positions with completion mask 1 are
 gathered to (N, H) before the LM head, so padding never costs a (row, V) logits slab.
 """
+import contextlib
 import math
 
 import torch
@@ -121,6 +122,18 @@ def completion_logprobs(model, mb, keep, temperature, logprob_impl, kv_reuse, en
                           impl=logprob_impl)
 
 
+@contextlib.contextmanager
+def oom_names_knob(cfg, what):
+    """an OOM inside a micro-batch says which knob to turn"""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        raise torch.cuda.OutOfMemoryError(
+            f"out of GPU memory {what}: lower --micro_batch_tokens (now {cfg.micro_batch_tokens}; one group needs "
+            f"about P + G*C tokens, group_size={cfg.group_size}, max_completion_len={cfg.max_completion_len}) or set "
+            f"--gradient_checkpointing=True") from e
+
+
 @torch.no_grad()
 def fill_logprobs(model, buf, key, mbs, temperature, logprob_impl, kv_reuse):
     """buf[key] = (B*G, C) log-probs of the current weights of `model`, zero at masked positions"""
@@ -183,14 +196,9 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
         mb = slice_groups(buf, b0, b1)
         if not (mb["loss_weights"] > 0).any():
             continue  # e.g. every completion of these groups truncated and masked
-        try:
+        with oom_names_knob(cfg, f"in the loss of a micro-batch of {b1 - b0} groups x {G} completions"):
             loss, stats = micro_batch_loss(model, mb, cfg)
             loss.backward()
-        except torch.cuda.OutOfMemoryError as e:
-            raise torch.cuda.OutOfMemoryError(
-                f"out of GPU memory in a micro-batch of {b1 - b0} groups x {G} completions: lower "
-                f"--micro_batch_tokens (now {cfg.micro_batch_tokens}; a group needs about P + G*C tokens), or turn "
-                f"on --gradient_checkpointing=True") from e
         loss_total += loss.item()
         for k, v in stats.items():
             totals[k] = max(totals.get(k, 0.0), v) if k.endswith("_max") else totals.get(k, 0.0) + v
@@ -222,9 +230,10 @@ def prepare_buffer(model, ref_model, buf, rewards, cfg):
         loss_mask = loss_mask * (~buf["truncated"]).long()[:, None]  # truncated rows: no gradient at all
     buf["loss_weights"] = loss_weights(loss_mask, cfg.loss_type, cfg.max_completion_len)
     mbs = micro_batches(buf["prompt_mask"], buf["completion_mask"], G, cfg.micro_batch_tokens)
-    if cfg.num_iterations > 1:
-        # the first update would see ratio = 1 anyway; later ones need the sampling policy's log-probs
-        fill_logprobs(model, buf, "old_logp", mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse)
-    if cfg.beta > 0:
-        fill_logprobs(ref_model, buf, "ref_logp", mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse)
+    with oom_names_knob(cfg, "computing old/reference log-probs"):
+        if cfg.num_iterations > 1:
+            # the first update would see ratio = 1 anyway; later ones need the sampling policy's log-probs
+            fill_logprobs(model, buf, "old_logp", mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse)
+        if cfg.beta > 0:
+            fill_logprobs(ref_model, buf, "ref_logp", mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse)
     return mbs, frac_zero_std

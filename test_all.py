@@ -686,6 +686,25 @@ def test_grpo_on_policy_ratio_is_exactly_one():
     assert "old_logp" in buf2 and stats2["ratio_dev_max"] < 1e-5, stats2
 
 
+@check
+def test_batching_oom_names_micro_batch_tokens():
+    import batching
+    model, buf, rewards = _tiny_buffer()
+    cfg = _trainer_cfg()
+    mbs, _ = batching.prepare_buffer(model, None, buf, rewards, cfg)
+    opt = torch.optim.AdamW(model.parameters())
+    orig = batching.micro_batch_loss
+
+    def oom(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    batching.micro_batch_loss = oom
+    try:
+        assert_raises(torch.cuda.OutOfMemoryError, lambda: batching.update_step(model, opt, buf, mbs, cfg),
+                      "--micro_batch_tokens")
+    finally:
+        batching.micro_batch_loss = orig
+
+
 def _quiet_train(args):
     """grpo.train with its config print, tqdm bars and step lines swallowed (they are checked elsewhere)"""
     import contextlib
