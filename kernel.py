@@ -59,6 +59,7 @@ CONFIGS = {
 GROUP_N = 16  # row blocks that walk the vocab together, so their weight tiles are shared through L2
 EXTRA_BYTES = 480 * 2**20  # backward: dH32 + workspace, stays under 0.5 GiB at the benchmark shapes
 PART_BYTES = 64 * 2**20  # forward: per-split partial stats (4, splits, N) fp32
+MIN_CHUNK = 4096  # backward: never fewer vocab columns per chunk (past N*H*4 ~ EXTRA_BYTES memory grows instead)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -283,7 +284,9 @@ def _backward(hidden, weight, targets, lse, ent, g, g_ent, temperature, need_dh,
     BV = cfg["BLOCK_V"]
     elt = hidden.element_size()
     budget = EXTRA_BYTES - (N * H * 4 if need_dh else 0)
-    vc_max = max(BV, budget // (N * elt) // BV * BV)
+    # extra memory = dH32 (N, H) fp32 + ws (N, Vc): ~0.47 GiB at the benchmark shapes. Past N*H*4 ~ EXTRA_BYTES
+    # (e.g. 32k tokens at H = 4096) Vc stays at MIN_CHUNK and memory grows as O(N * (H + MIN_CHUNK)), never N*V
+    vc_max = max(triton.cdiv(MIN_CHUNK, BV) * BV, budget // (N * elt) // BV * BV)
     n_chunks = triton.cdiv(V, vc_max)
     Vc = triton.cdiv(triton.cdiv(V, n_chunks), BV) * BV  # equal chunks, each a multiple of BLOCK_V
     ws = torch.empty((N, Vc), dtype=hidden.dtype, device=hidden.device)  # the bounded dz workspace

@@ -114,8 +114,9 @@ def test_kernel_ragged_shapes_vs_fp64():
 def test_kernel_many_splits_and_chunks():
     # force several vocab blocks per split in the forward (the online rescale across blocks) and several
     # backward vocab chunks with a ragged last one (the fp32 dH accumulation across chunks)
-    saved = _kernel.PART_BYTES, _kernel.EXTRA_BYTES
+    saved = _kernel.PART_BYTES, _kernel.EXTRA_BYTES, _kernel.MIN_CHUNK
     try:
+        _kernel.MIN_CHUNK = 1
         for dtype in _kl_dtypes():
             bv = _kernel.CONFIGS[dtype]["BLOCK_V"]
             N, H, V = 70, bv, 5 * bv + 17  # H = BLOCK_V: the unmasked (EVEN_K, EVEN_N) load paths
@@ -125,7 +126,7 @@ def test_kernel_many_splits_and_chunks():
             got = _kl_run(fused_logprobs, h, w, t, 1.0, g, ge)
             _kl_compare(got, _kl_ref(h, w, t, 1.0, g, ge), *_KL_TOL[dtype], f"{dtype}")
     finally:
-        _kernel.PART_BYTES, _kernel.EXTRA_BYTES = saved
+        _kernel.PART_BYTES, _kernel.EXTRA_BYTES, _kernel.MIN_CHUNK = saved
 
 
 @check
