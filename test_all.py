@@ -690,6 +690,23 @@ def test_grpo_on_policy_ratio_is_exactly_one():
 
 
 @check
+def test_batching_loss_type_weights_match_trl():
+    """sum(l * w) reproduces TRL's aggregations on a (2, 4) mask with lengths 2 and 4 and per-token losses l"""
+    import batching
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    l = torch.tensor([[1.0, 3.0, 9.0, 9.0], [2.0, 2.0, 2.0, 6.0]])
+    want = {"grpo": (2.0 + 3.0) / 2,  # mean over each sequence, then over sequences
+            "bnpo": 16.0 / 6, "dapo": 16.0 / 6,  # token mean over the batch
+            "dr_grpo": 16.0 / (2 * 8)}  # / (num_seqs * max_completion_len)
+    for loss_type, v in want.items():
+        got = (l * batching.loss_weights(mask, loss_type, max_completion_len=8)).sum().item()
+        assert abs(got - v) < 1e-6, (loss_type, got, v)
+    assert_raises(ValueError, lambda: batching.loss_weights(mask, "ppo", 8), "loss_type")
+    adv, frac = batching.group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, "none")
+    assert adv.tolist() == [0.5, -0.5, 0.0, 0.0] and frac == 0.5
+
+
+@check
 def test_batching_oom_names_micro_batch_tokens():
     import batching
     model, buf, rewards = _tiny_buffer()
