@@ -232,6 +232,11 @@ def find_or_fetch_gguf(gdir):
 def convert_smollm2(gdir):
     """GGUF (Q4_1/Q8_0 blocks, dequantized to float32 by transformers) -> HF dir with safetensors + tokenizer"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        import gguf  # noqa: F401 - transformers reads GGUF files through it
+    except ImportError:
+        raise ValueError("converting the SmolLM2 GGUF needs the `gguf` package: pip install gguf (offline: pip "
+                         "install --no-index --no-deps a carried gguf-*.whl)") from None
     path = find_or_fetch_gguf(gdir)
     d, f = os.path.dirname(path), os.path.basename(path)
     print(f"converting {path} -> {SMOLLM2_DIR} (once)")
@@ -243,6 +248,7 @@ def convert_smollm2(gdir):
     shutil.rmtree(tmp, ignore_errors=True)
     m.save_pretrained(tmp)
     tok.save_pretrained(tmp)  # keeps the chat template
+    shutil.rmtree(SMOLLM2_DIR, ignore_errors=True)  # a leftover without config.json
     os.replace(tmp, SMOLLM2_DIR)
 
 
@@ -450,7 +456,9 @@ def train(argv):
     plot_curves(records, cfg.out_dir)
     evals = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
     print(f"held-out greedy accuracy by step: {evals}")
-    print(f"log: {log_path}  checkpoint: {os.path.join(cfg.out_dir, 'ckpt')}  total {(time.time() - t_start) / 60:.1f} min")
+    curves = os.path.join(cfg.out_dir, "curves.png")
+    print(f"log: {log_path}  plot: {curves if os.path.exists(curves) else '(pip install matplotlib)'}  checkpoint: "
+          f"{os.path.join(cfg.out_dir, 'ckpt')}  total {(time.time() - t_start) / 60:.1f} min")
     return SimpleNamespace(cfg=cfg, model=policy, records=records)
 
 

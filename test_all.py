@@ -677,7 +677,7 @@ def test_grpo_on_policy_ratio_is_exactly_one():
     g_loss = torch.cat([p.grad.flatten() for p in model.parameters()])
     model.zero_grad()
     keep = mb["loss_weights"] > 0
-    logp, _ = batching.completion_logprobs(model, mb, keep, 1.0, "naive", False, False)
+    logp, _ = batching.completion_logprobs(model, mb, keep, cfg.temperature, "naive", False, False)
     adv = mb["advantages"][:, None].expand_as(keep)[keep]
     (-(mb["loss_weights"][keep] * adv * logp).sum()).backward()
     g_pg = torch.cat([p.grad.flatten() for p in model.parameters()])
