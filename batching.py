@@ -78,16 +78,18 @@ def loss_weights(completion_mask, loss_type, max_completion_len):
     raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
 
 
-def micro_batches(prompt_mask, completion_mask, group_size, micro_batch_tokens):
-    """split the B groups into contiguous runs [b0, b1) of whole groups whose padded token count
-    n_groups * (P_mb + G * C_mb) stays within micro_batch_tokens (a lone group over budget still gets its own run)"""
+def micro_batches(prompt_mask, completion_mask, group_size, micro_batch_tokens, reuse=True):
+    """split the B groups into contiguous runs [b0, b1) of whole groups whose padded token count stays within
+    micro_batch_tokens (a lone group over budget still gets its own run): n_groups * (P_mb + G * C_mb) with KV
+    reuse (the prompt runs once per group), n_groups * G * (P_mb + C_mb) without"""
     G = group_size
+    cost = (lambda p, c: p + G * c) if reuse else (lambda p, c: G * (p + c))
     p_len = prompt_mask.sum(1).tolist()  # (B,) left-padded, so a run needs max(p_len) columns
     c_len = completion_mask.view(-1, G, completion_mask.shape[1]).sum(2).amax(1).tolist()  # (B,)
     out, b0, p_max, c_max = [], 0, 0, 0
     for b in range(len(p_len)):
         p_new, c_new = max(p_max, p_len[b]), max(c_max, c_len[b])
-        if b > b0 and (b + 1 - b0) * (p_new + G * c_new) > micro_batch_tokens:
+        if b > b0 and (b + 1 - b0) * cost(p_new, c_new) > micro_batch_tokens:
             out.append((b0, b))
             b0, p_new, c_new = b, p_len[b], c_len[b]
         p_max, c_max = p_new, c_new
@@ -229,7 +231,7 @@ def prepare_buffer(model, ref_model, buf, rewards, cfg):
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~buf["truncated"]).long()[:, None]  # truncated rows: no gradient at all
     buf["loss_weights"] = loss_weights(loss_mask, cfg.loss_type, cfg.max_completion_len)
-    mbs = micro_batches(buf["prompt_mask"], buf["completion_mask"], G, cfg.micro_batch_tokens)
+    mbs = micro_batches(buf["prompt_mask"], buf["completion_mask"], G, cfg.micro_batch_tokens, cfg.kv_reuse)
     with oom_names_knob(cfg, "computing old/reference log-probs"):
         if cfg.num_iterations > 1:
             # the first update would see ratio = 1 anyway; later ones need the sampling policy's log-probs

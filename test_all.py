@@ -707,6 +707,19 @@ def test_batching_loss_type_weights_match_trl():
 
 
 @check
+def test_batching_micro_batches_keep_groups_within_budget():
+    import batching
+    P, C, G = 5, 4, 2
+    prompt_mask = (torch.arange(P) >= P - torch.tensor([3, 5, 2])[:, None]).long()  # prompt lengths 3, 5, 2
+    completion_mask = (torch.arange(C) < torch.tensor([4, 1, 1, 1, 2, 0])[:, None]).long()  # group maxima 4, 1, 2
+    mb = lambda budget, reuse=True: batching.micro_batches(prompt_mask, completion_mask, G, budget, reuse)
+    assert mb(26) == [(0, 2), (2, 3)], mb(26)  # groups 0-1 cost 2 * (5 + 2*4) = 26
+    assert mb(25) == [(0, 1), (1, 3)], mb(25)
+    assert mb(1) == [(0, 1), (1, 2), (2, 3)]  # a group over budget still runs, alone
+    assert mb(26, reuse=False) == [(0, 1), (1, 2), (2, 3)]  # without reuse a group costs G * (P + C)
+
+
+@check
 def test_batching_oom_names_micro_batch_tokens():
     import batching
     model, buf, rewards = _tiny_buffer()
