@@ -191,7 +191,8 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
     parameters, which the optimizer holds) the gradients go to the masters and the stepped masters are rounded
     back into the model."""
     G = buf["group_size"]
-    totals = {}
+    # nan until a micro-batch reports them (none does when every completion was truncated and masked)
+    totals = dict.fromkeys(("clip_low", "clip_high", "clip_ratio", "entropy", "ratio_mean", "ratio_dev_max"), math.nan)
     w_sum = buf["loss_weights"].sum().item()  # what the weighted means above are relative to
     loss_total = 0.0
     for b0, b1 in mbs:
@@ -203,7 +204,8 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
             loss.backward()
         loss_total += loss.item()
         for k, v in stats.items():
-            totals[k] = max(totals.get(k, 0.0), v) if k.endswith("_max") else totals.get(k, 0.0) + v
+            t = 0.0 if math.isnan(totals.get(k, math.nan)) else totals[k]
+            totals[k] = max(t, v) if k.endswith("_max") else t + v
     params = list(model.parameters())
     if master is not None:  # the gradients move to the float32 masters first, so the clip norm is float32 too
         for m, p in zip(master, params):

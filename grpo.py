@@ -438,6 +438,7 @@ def train(argv):
                    lr=optimizer.param_groups[0]["lr"], gen_s=t1 - t0, update_s=t2 - t1, tokens_per_s=n_tok / (t2 - t0),
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0,
                    minutes=(time.time() - t_start) / 60)
+        rec = {k: v for k, v in rec.items() if not (isinstance(v, float) and math.isnan(v))}  # strict JSON: no NaN
         out_of_time = cfg.max_minutes > 0 and time.time() - t_start > cfg.max_minutes * 60
         last = step == cfg.max_steps or out_of_time
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or last:
@@ -466,6 +467,7 @@ def train(argv):
 # logging
 # ------------------------------------------------------------------------------------------------------------------
 def format_record(r):
+    r = {k: math.nan for k in ("clip_ratio", "clip_low", "clip_high", "entropy")} | r
     s = (f"step {r['step']}: reward {r['reward_mean']:.3f}±{r['reward_std']:.3f} acc {r['accuracy']:.3f} "
          f"zero_std {r['frac_reward_zero_std']:.2f} len {r['completion_len_mean']:.1f}/{r['completion_len_max']} "
          f"loss {r['loss']:.4f} clip {r['clip_ratio']:.3f} (lo {r['clip_low']:.3f} hi {r['clip_high']:.3f}) "

@@ -808,6 +808,11 @@ def test_grpo_resume_continues_identically():
 @check
 def test_grpo_config_errors_and_types():
     import grpo
+    need = ("model task max_steps prompts_per_step group_size max_prompt_len max_completion_len temperature top_p lr "
+            "weight_decay grad_clip num_iterations epsilon epsilon_high beta loss_type scale_rewards "
+            "mask_truncated_completions logprob_impl kv_reuse gradient_checkpointing micro_batch_tokens device dtype "
+            "seed eval_every eval_size save_every out_dir resume").split()
+    assert not set(need) - set(grpo.CONFIG_KEYS), set(need) - set(grpo.CONFIG_KEYS)
     assert_raises(ValueError, lambda: grpo.parse_config(["--lrr=1e-5"]), "valid keys")
     assert_raises(ValueError, lambda: grpo.parse_config(["--lr=fast"]), "float")
     assert_raises(ValueError, lambda: grpo.parse_config(["--max_steps=2.5"]), "int")
