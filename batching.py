@@ -187,7 +187,7 @@ def micro_batch_loss(model, mb, cfg):
 def update_step(model, optimizer, buf, mbs, cfg, master=None):
     """one optimizer step over the whole generation batch: accumulate the micro-batches' gradients, clip, step.
     Because every token's weight already holds the whole-batch normalizer, the summed gradient is identical
-    (up to float rounding) for any micro-batch split. With `master` (float32 copies of a bf16/fp16 model's
+    (up to float rounding) for any micro-batch split. With `master` (float32 copies of a bf16 model's
     parameters, which the optimizer holds) the gradients go to the masters and the stepped masters are rounded
     back into the model."""
     G = buf["group_size"]

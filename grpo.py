@@ -147,8 +147,8 @@ def countdown_reward(completion, target):
     if not found:
         return 0.0, False
     expr = found[-1].strip()
-    if tuple(sorted(int(x) for x in re.findall(r"\d+", expr))) != nums:
-        return 0.1, False
+    if "**" in expr or tuple(sorted(int(x) for x in re.findall(r"\d+", expr))) != nums:
+        return 0.1, False  # (** is not an allowed operator, and 9**9**9 would hang eval)
     try:  # the regex admits digits, spaces, + - * / ( ) only, so eval cannot reach anything else
         correct = abs(eval(expr, {"__builtins__": {}}) - value) < 1e-6  # noqa: S307
     except (SyntaxError, ZeroDivisionError, TypeError, ValueError):
@@ -317,7 +317,7 @@ def resolve(cfg):
         cfg.logprob_impl = "fused" if dev.type == "cuda" else "chunked"
     checks = [("task", tuple(TASKS)), ("loss_type", ("grpo", "bnpo", "dr_grpo", "dapo")),
               ("scale_rewards", ("group", "batch", "none")), ("logprob_impl", ("fused", "chunked", "naive")),
-              ("dtype", ("float32", "bfloat16", "float16"))]
+              ("dtype", ("float32", "bfloat16"))]  # float16 would need a loss scaler, which this loop has not
     for key, ok in checks:
         if getattr(cfg, key) not in ok:
             raise ValueError(f"--{key}={getattr(cfg, key)!r}: use one of {ok}")
@@ -327,7 +327,7 @@ def resolve(cfg):
 
 
 def make_optimizer(policy, cfg, dt):
-    """AdamW over float32 weights. For a bf16/fp16 run the model itself holds dt copies (generation, forward and
+    """AdamW over float32 weights. For a bf16 run the model itself holds dt copies (generation, forward and
     backward all run in dt) and the optimizer holds float32 masters, rounded into the model after each step:
     stepping bf16 weights directly drops every update below 2^-8 of the weight, and an lr=1e-5 AdamW update is
     ~1e-3 of a typical weight. Returns (optimizer, masters or None)."""

@@ -836,6 +836,7 @@ def test_grpo_rewards_verify_answers():
     assert c("The answer is 3 * 5 + 2", ((2, 3, 5), 17)) == (1.0, True)
     assert c("The answer is 3 + 5", ((2, 3, 5), 8)) == (0.1, False)  # must use every number
     assert c("The answer is __import__('os')", ((2, 3, 5), 8)) == (0.0, False)
+    assert c("The answer is 2 ** 3 * 5", ((2, 3, 5), 40)) == (0.1, False)  # no power operator (9**9**9 hangs)
     for prompts in (grpo.arithmetic_prompts, grpo.countdown_prompts):
         assert prompts(5, 3, 2) == prompts(5, 3, 2) and prompts(5, 3, 2) != prompts(5, 4, 2), "seeded"
 
