@@ -21,14 +21,15 @@ backward (per vocab chunk [v_lo, v_hi), bounded workspace ws (N, Vc) in the inpu
         dz = (g * (onehot - p) - g_ent * p * (z - sum(p*z))) / T,    z - sum(p*z) = log p + ent
     (the entropy gradient never goes through log p as a divisor: no NaN at p = 0), then
         dW[v_lo:v_hi]  = ws^T @ hidden        cuBLAS, one GEMM over all N tokens: fp32 accumulate, one rounding
-        dH32          += ws @ weight[v_lo:v_hi]  _mm_acc_kernel: fp32 accumulator (N, H) kept across chunks
+        dH32          += ws @ weight[v_lo:v_hi]  cuBLAS addmm, bf16 in, fp32 accumulator (N, H) across chunks
     Vocab chunks (not row chunks) because N < V: the cross-chunk fp32 accumulator is then (N, H), not (V, H).
     Extra memory = N*H*4 (dH32) + N*Vc*elt (ws) <= EXTRA_BYTES while N*H*4 leaves room (else see MIN_CHUNK),
     plus (4, splits, N) fp32 in the forward.
 
 Where the time goes (H100, bf16, 16384 x 4096 x 128256, one fwd+bwd with entropy, torch.profiler):
-    _fwd_kernel 25.1 ms (cuBLAS x @ W^T: 23.0) | _bwd_dz_kernel 31.2 (18 chunks) | _mm_acc_kernel 26.5 |
-    cuBLAS dW 22.7  ->  ~106 ms of kernels vs ~99 ms for the four cuBLAS GEMMs (1.10-1.11x measured).
+    _fwd_kernel 25.1 ms (cuBLAS x @ W^T: 23.0) | _bwd_dz_kernel 31.2 (18 chunks) | dH accumulate 26.5 with a
+    Triton GEMM | cuBLAS dW 22.7  ->  ~106 ms of kernels vs ~99 ms for the four cuBLAS GEMMs (1.10-1.11x).
+    The dH accumulate moved to cuBLAS addmm(out_dtype=fp32): 113.4 -> 109.4 ms end to end, same bits.
     The excess is the price of the 0.5 GiB cap: 18 chunk launches each lose ~3% to a partial last wave
     (128 x 28 tiles over 132 SMs), the dz tile store (4.2 GB in all) sits in the epilogue, and the fp32 dH
     accumulator is read and written once per chunk (18 x 0.5 GB). A dW GEMM on a side stream did not help.
@@ -51,7 +52,7 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once: triton.jit reads it at decoration time
 
 # block sizes, keyed on dtype (no autotune: reproducible bits and no startup cost). BLOCK_N rows x BLOCK_V vocab
-# logits tile, BLOCK_K along H; the same tile shape serves the dH accumulate GEMM (rows x H-columns).
+# logits tile, BLOCK_K along H.
 # H100, bf16, forward at 16384 x 4096 x 128256 (ms): 128x256x64 w8 s3 26.3 | s4 29.0 | 256x128x64 w8 s3 31.3 |
 # 128x128x64 w8 s4 33.2 | w4 s4 35.8 | 128x256x128 w8 s2 36.9; GROUP_N 16: 26.3, 8: 29.4, 32: 30.6.
 CONFIGS = {
@@ -174,38 +175,6 @@ def _bwd_dz_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, g_ptr, gent_ptr, ws_
     tl.store(ws_ptrs, dz.to(ws_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_v[None, :])
 
 
-@triton.jit
-def _mm_acc_kernel(a_ptr, b_ptr, c_ptr, M, NC, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # C (M, NC) fp32 += A (M, K) @ B (K, NC): dH32 += ws @ weight[v_lo:v_hi], accumulated in fp32 across chunks.
-    # B's contiguous dim is NC: its offsets stay a plain arange (masked, not clamped) so loads stay 16-byte wide.
-    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(NC, BLOCK_N), GROUP_M)
-    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m, mask_n = offs_m < M, offs_n < NC
-    a_ptrs = a_ptr + tl.where(mask_m, offs_m, M - 1)[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            if EVEN_N:
-                b = tl.load(b_ptrs)
-            else:
-                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-            b = tl.load(b_ptrs, mask=(offs_k[:, None] < K - k0) & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    tl.store(c_ptrs, acc + tl.load(c_ptrs, mask=mask, other=0.0), mask=mask)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # checks and launch glue
 
@@ -280,6 +249,17 @@ def _forward(hidden, weight, targets, temperature, entropy):
     return logp, ent, lse
 
 
+def _acc_dh(dH32, dz, w_c):
+    """dH32 (N, H) fp32 += dz (N, vc) @ w_c (vc, H). On CUDA with bf16/fp16 inputs this is one cuBLAS call that
+    reads the half-precision operands and adds into the fp32 C in place (addmm's out_dtype overload, torch >= 2.8):
+    no (N, H) temporary and no rounding of the running sum. fp32 inputs (and CPU tensors under TRITON_INTERPRET)
+    take a plain fp32 addmm_; on the CPU the upcast copy of dz is fine."""
+    if dz.is_cuda and dz.dtype != torch.float32:
+        torch.addmm(dH32, dz, w_c, torch.float32, out=dH32)
+    else:
+        dH32.addmm_(dz.float(), w_c.float())
+
+
 def _backward(hidden, weight, targets, lse, ent, g, g_ent, temperature, need_dh, need_dw):
     N, H = hidden.shape
     V = weight.shape[0]
@@ -308,14 +288,8 @@ def _backward(hidden, weight, targets, lse, ent, g, g_ent, temperature, need_dh,
         dz = ws[:, : v_hi - v_lo]  # (N, vc)
         if need_dw:  # all N tokens in one GEMM: fp32 accumulate inside cuBLAS, one rounding
             torch.mm(dz.t(), hidden, out=dW[v_lo:v_hi])
-        if need_dh:
-            w_c = weight[v_lo:v_hi]  # (vc, H)
-            grid = (triton.cdiv(N, BN) * triton.cdiv(H, BV),)
-            m2 = dict(meta, EVEN_K=(v_hi - v_lo) % cfg["BLOCK_K"] == 0, EVEN_N=H % BV == 0)
-            m2["GROUP_M"] = m2.pop("GROUP_N")
-            m2["BLOCK_M"], m2["BLOCK_N"] = m2.pop("BLOCK_N"), m2.pop("BLOCK_V")
-            _mm_acc_kernel[grid](dz, w_c, dH32, N, H, v_hi - v_lo, dz.stride(0), dz.stride(1),
-                                 w_c.stride(0), w_c.stride(1), dH32.stride(0), **m2)
+        if need_dh:  # dH32 += dz @ weight[v_lo:v_hi], fp32 accumulate and fp32 add
+            _acc_dh(dH32, dz, weight[v_lo:v_hi])
     return (dH32.to(hidden.dtype) if need_dh else None), dW
 
 

@@ -119,7 +119,7 @@ def test_kernel_many_splits_and_chunks():
         _kernel.MIN_CHUNK = 1
         for dtype in _kl_dtypes():
             bv = _kernel.CONFIGS[dtype]["BLOCK_V"]
-            N, H, V = 70, bv, 5 * bv + 17  # H = BLOCK_V: the unmasked (EVEN_K, EVEN_N) load paths
+            N, H, V = 70, bv, 5 * bv + 17  # H = BLOCK_V: the unmasked (EVEN_K) load paths
             _kernel.PART_BYTES = 16 * N * 2  # 2 splits of 3 blocks
             _kernel.EXTRA_BYTES = N * H * 4 + N * bv * 8  # vocab chunks of 3 blocks (fp32: 2), the last ragged
             h, w, t, g, ge = _kl_data(N, H, V, dtype, seed=3, scale=4.0)
