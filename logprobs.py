@@ -271,7 +271,7 @@ def main():
     for mod in ("liger_kernel", "cut_cross_entropy"):
         try:
             __import__(mod)
-            print(f"({mod} is importable; its rows are not wired in yet)")
+            print(f"({mod} is importable, but this benchmark has no row for it)")
         except ImportError:
             print(f"({mod} not installed: no row)")
     print(f"{'shape':<13} {'impl':<8} {'ms':>9} {'floor_ms':>9} {'ratio':>6} {'peak_GiB':>8} "
