@@ -18,7 +18,8 @@ logp = z[target] - logsumexp(z), ent = logsumexp(z) - sum(softmax(z) * z).
 `python logprobs.py` benchmarks them (GPU: four LM-head shapes in bf16; CPU: one small fp32 shape): ms fwd+bwd
 (median), peak GiB beyond inputs and grads, relative error of logp/ent/dH/dW against a chunked fp32 reference
 (fp64 on CPU), and the four cuBLAS GEMMs of the same shape (the floor any recompute scheme pays) with each impl's
-ratio to it. Prints a table, then one JSON line.
+ratio to it. Prints a table, then one JSON line. With liger-kernel installed it adds a `liger` row (its fused
+linear cross-entropy with reduction="none": logp only, no entropy, errors against the logp-only gradient).
 """
 import gc
 import json
@@ -117,6 +118,16 @@ def chunked_logprobs(hidden, weight, targets, temperature=1.0, entropy=True):
 IMPLS = {"naive": naive_logprobs, "chunked": chunked_logprobs, "fused": fused_logprobs}
 
 
+def liger_logprobs(hidden, weight, targets, temperature=1.0):
+    """Liger's fused linear cross-entropy (pip install liger-kernel), reduction="none": per-token -logp with
+    per-token upstream grads. It has no entropy output, so its benchmark row does less work than ours (logp only).
+    A comparison row for `python logprobs.py`, not one of IMPLS."""
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    h = hidden / temperature if temperature != 1.0 else hidden  # z = (h / T) @ W^T
+    loss = LigerFusedLinearCrossEntropyFunction.apply(h, weight, targets, None, None, -100, 0.0, 0.0, "none")[0]
+    return -loss.float(), None
+
+
 def token_logprobs(hidden, weight, targets, temperature=1.0, entropy=True, impl="fused"):
     """Dispatch to one of IMPLS; same signature and return as kernel.fused_logprobs."""
     if impl not in IMPLS:
@@ -192,6 +203,9 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
     g, g_ent = torch.randn(N, device=dev), torch.randn(N, device=dev)
     ref = reference(hidden.detach(), weight.detach(), targets, T, g, g_ent,
                     torch.float32 if dev == "cuda" else torch.float64)
+    # the liger row has no entropy: its dH, dW are compared with the gradient of logp alone
+    ref_logp_only = reference(hidden.detach(), weight.detach(), targets, T, g, torch.zeros_like(g_ent),
+                              torch.float32 if dev == "cuda" else torch.float64) if "liger" in impls else None
     grad_bytes = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
 
     def floor():  # x @ W^T, the recompute, dz @ W, dz^T @ x: four cuBLAS GEMMs of this shape
@@ -208,8 +222,12 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
     rows = []
     for impl in impls:
         def step():
-            logp, ent = token_logprobs(hidden, weight, targets, T, True, impl)
-            dH, dW = torch.autograd.grad((logp, ent), (hidden, weight), (g, g_ent))
+            if impl == "liger":
+                logp, ent = liger_logprobs(hidden, weight, targets, T)
+            else:
+                logp, ent = token_logprobs(hidden, weight, targets, T, True, impl)
+            outs = (logp, ent) if ent is not None else (logp,)
+            dH, dW = torch.autograd.grad(outs, (hidden, weight), (g, g_ent)[:len(outs)])
             return logp, ent, dH, dW
 
         row = dict(shape=name, N=N, H=H, V=V, impl=impl, floor_ms=round(floor_ms, 3))
@@ -225,7 +243,8 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
                 peak = (torch.cuda.max_memory_allocated() - base - grad_bytes) / 2**30
             else:
                 peak = None  # no allocator statistics on a CPU
-            errs = [rel_err(a, b) for a, b in zip(out, ref)]
+            want = ref_logp_only if impl == "liger" else ref
+            errs = [None if a is None else rel_err(a, b) for a, b in zip(out, want)]
             row.update(ms=round(ms, 3), ratio=round(ms / floor_ms, 3), peak_gib=peak and round(peak, 3),
                        err_logp=errs[0], err_ent=errs[1], err_dh=errs[2], err_dw=errs[3])
             del out
@@ -247,8 +266,8 @@ def _fmt(r):
     head = f"{r['shape']:<13} {r['impl']:<8}"
     if r.get("oom"):
         return f"{head} {'OOM':>9}"
-    return (f"{head} {r['ms']:9.2f} {r['floor_ms']:9.2f} {r['ratio']:6.3f} {_gib(r['peak_gib']):>8} "
-            f"{r['err_logp']:9.2e} {r['err_ent']:9.2e} {r['err_dh']:9.2e} {r['err_dw']:9.2e}")
+    errs = " ".join("      n/a" if r[k] is None else f"{r[k]:9.2e}" for k in ("err_logp", "err_ent", "err_dh", "err_dw"))
+    return f"{head} {r['ms']:9.2f} {r['floor_ms']:9.2f} {r['ratio']:6.3f} {_gib(r['peak_gib']):>8} {errs}"
 
 
 def main():
@@ -268,12 +287,17 @@ def main():
           f"ms = median of {reps} fwd+bwd (entropy on, per-token grads for logp and ent); floor = 4 cuBLAS GEMMs; "
           f"peak = GiB beyond inputs and grads; err = ||x - ref|| / ||ref|| vs "
           f"{'fp32' if dev == 'cuda' else 'fp64'} reference")
-    for mod in ("liger_kernel", "cut_cross_entropy"):
-        try:
-            __import__(mod)
-            print(f"({mod} is importable, but this benchmark has no row for it)")
-        except ImportError:
-            print(f"({mod} not installed: no row)")
+    try:  # the fused kernel users compare to; its row is logp only (no entropy output)
+        import liger_kernel  # noqa: F401
+        impls.append("liger")
+        print("(liger row: Liger's fused linear cross-entropy, reduction='none', logp only: no entropy work)")
+    except ImportError:
+        print("(liger_kernel not installed: no liger row)")
+    try:
+        import cut_cross_entropy  # noqa: F401
+        print("(cut_cross_entropy is importable, but this benchmark has no row for it)")
+    except ImportError:
+        print("(cut_cross_entropy not installed: no row)")
     print(f"{'shape':<13} {'impl':<8} {'ms':>9} {'floor_ms':>9} {'ratio':>6} {'peak_GiB':>8} "
           f"{'err_logp':>9} {'err_ent':>9} {'err_dH':>9} {'err_dW':>9}")
     rows = []
