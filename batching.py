@@ -165,22 +165,24 @@ def micro_batch_loss(model, mb, cfg):
     ratio = torch.exp(logp - old)
     clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
     per_token = -torch.min(ratio * adv, clipped * adv)
+    # stats are detached 0-dim tensors, weighted like the loss so they are whole-batch means too; update_step
+    # reads them all in one host sync, so the next micro-batch's forward is queued while this backward runs
     stats = {}
     if cfg.beta > 0:
         d = mb["ref_logp"][keep] - logp
         kl = torch.exp(d) - d - 1
         per_token = per_token + cfg.beta * kl
-        stats["kl"] = (kl.detach() * w).sum().item()
+        stats["kl"] = (kl.detach() * w).sum()
     loss = (per_token * w).sum()
-    # clip fractions, weighted like the loss so they are whole-batch means too
     low = ((ratio < 1 - cfg.epsilon) & (adv < 0)).float()
     high = ((ratio > 1 + cfg.epsilon_high) & (adv > 0)).float()
-    stats["clip_low"] = (low * w).sum().item()
-    stats["clip_high"] = (high * w).sum().item()
+    stats["clip_low"] = (low * w).sum()
+    stats["clip_high"] = (high * w).sum()
     stats["clip_ratio"] = stats["clip_low"] + stats["clip_high"]
-    stats["entropy"] = (ent.detach().float() * w).sum().item() if ent is not None else float("nan")
-    stats["ratio_mean"] = (ratio.detach() * w).sum().item()
-    stats["ratio_dev_max"] = (ratio.detach() - 1).abs().max().item()  # exactly 0 when on-policy
+    if ent is not None:
+        stats["entropy"] = (ent.detach().float() * w).sum()
+    stats["ratio_mean"] = (ratio.detach() * w).sum()
+    stats["ratio_dev_max"] = (ratio.detach() - 1).abs().max()  # exactly 0 when on-policy
     return loss, stats
 
 
@@ -191,10 +193,8 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
     parameters, which the optimizer holds) the gradients go to the masters and the stepped masters are rounded
     back into the model."""
     G = buf["group_size"]
-    # nan until a micro-batch reports them (none does when every completion was truncated and masked)
-    totals = dict.fromkeys(("clip_low", "clip_high", "clip_ratio", "entropy", "ratio_mean", "ratio_dev_max"), math.nan)
-    w_sum = buf["loss_weights"].sum().item()  # what the weighted means above are relative to
-    loss_total = 0.0
+    w_sum = buf["loss_weights"].sum()  # what the weighted means below are relative to
+    totals, loss_total = {}, torch.zeros_like(w_sum)  # on the device: no host sync per micro-batch
     for b0, b1 in mbs:
         mb = slice_groups(buf, b0, b1)
         if not (mb["loss_weights"] > 0).any():
@@ -202,10 +202,9 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
         with oom_names_knob(cfg, f"in the loss of a micro-batch of {b1 - b0} groups x {G} completions"):
             loss, stats = micro_batch_loss(model, mb, cfg)
             loss.backward()
-        loss_total += loss.item()
+        loss_total = loss_total + loss.detach()
         for k, v in stats.items():
-            t = 0.0 if math.isnan(totals.get(k, math.nan)) else totals[k]
-            totals[k] = max(t, v) if k.endswith("_max") else t + v
+            totals[k] = v if k not in totals else torch.maximum(totals[k], v) if k.endswith("_max") else totals[k] + v
     params = list(model.parameters())
     if master is not None:  # the gradients move to the float32 masters first, so the clip norm is float32 too
         for m, p in zip(master, params):
@@ -218,9 +217,13 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
         with torch.no_grad():
             for m, p in zip(master, params):
                 p.copy_(m)
-    out = {k: v if k.endswith("_max") else v / max(w_sum, 1e-12) for k, v in totals.items()}
-    out["loss"] = loss_total
-    out["grad_norm"] = grad_norm.item()
+    keys = list(totals)
+    *vals, loss_total, w_sum, grad_norm = torch.stack(  # the one host sync of the step
+        [totals[k].float() for k in keys] + [loss_total.float(), w_sum, grad_norm.float().to(w_sum.device)]).tolist()
+    # nan for the stats no micro-batch reported (none does when every completion was truncated and masked)
+    out = dict.fromkeys(("clip_low", "clip_high", "clip_ratio", "entropy", "ratio_mean", "ratio_dev_max"), math.nan)
+    out.update({k: v if k.endswith("_max") else v / max(w_sum, 1e-12) for k, v in zip(keys, vals)})
+    out["loss"], out["grad_norm"] = loss_total, grad_norm
     return out
 
 
