@@ -178,10 +178,12 @@ def check_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, group
     if prompt_ids.shape[1] < 1 or completion_ids.shape[1] < 1:
         raise ValueError("need at least one prompt and one completion column")
     prompt_mask, completion_mask = prompt_mask.long(), completion_mask.long()
-    if not bool((prompt_mask[:, -1] == 1).all()) or bool((prompt_mask.diff(dim=1) < 0).any()):
+    left_bad, right_bad = torch.stack([(prompt_mask[:, -1] != 1).any() | (prompt_mask.diff(dim=1) < 0).any(),
+                                       (completion_mask.diff(dim=1) > 0).any()]).tolist()  # one host sync
+    if left_bad:
         raise ValueError("prompts must be left-padded (mask 0...0 1...1, last column real); use "
                          "tokenizer.padding_side='left'")
-    if bool((completion_mask.diff(dim=1) > 0).any()):
+    if right_bad:
         raise ValueError("completions must be right-padded (mask 1...1 0...0)")
 
 
