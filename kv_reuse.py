@@ -18,7 +18,8 @@ transformers' checkpointing wrapper drops `past_key_values` unless the layer has
 
 Attention in the completion pass: each of the B*G rows attends its prompt (P-1 keys) plus its own completion,
 lower-right causal. HF builds that mask from the 2D (B*G, P-1+C) padding mask we pass; when no prompt has padding
-(sdpa only) we hand SDPA torch's lower-right CausalBias instead, which runs as flash attention.
+(sdpa only) we hand SDPA torch's lower-right CausalBias instead, which runs as flash attention, with the K/V heads
+unrepeated (GQA inside the kernel; lower_right_sdpa).
 
     completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size, reuse=True)
         -> (B*G, C, H) final-norm hidden states, row t predicts completion token t
@@ -39,10 +40,12 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # full-attention decoders whose trunk we have checked
 CHECK_EVERY = 8  # generate_groups: decode steps between "all rows finished?" host syncs
 FLASH_LOWER_RIGHT = True  # sdpa + no prompt padding: lower-right causal attention instead of a materialized mask
+GQA_LOWER_RIGHT = True  # ...and K/V heads passed to SDPA unrepeated (enable_gqa), see lower_right_sdpa
 # decode attention backends: everything but cuDNN. torch's cuDNN SDPA (preferred on Hopper) builds and caches a graph
 # per shape, and the key length grows by one every decode step, so it rebuilt one per step: an H100 profile of
 # generate_groups showed 1.4 s wall for 126 ms of GPU work over 32 steps (Qwen2.5-0.5B shape, 32 rows)
@@ -107,6 +110,31 @@ class LowerRightCausal(torch.Tensor):
             return func(*args[:3], **kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+def lower_right_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' "sdpa" attention, except for a LowerRightCausal mask: there the K/V heads go to SDPA as they are
+    (enable_gqa), where HF's sdpa repeats them to the query heads whenever a mask is given (use_gqa_in_sdpa): for
+    Qwen2.5-0.5B that is 7 copies of every (B*G, kvh, P'+C, D) K/V in forward and recompute, and a 7-way sum in
+    backward. Installed for the process by use_lower_right_sdpa(); the mask type, not a context, picks the branch,
+    so a gradient-checkpoint recompute (after completion_hidden has returned) takes the same branch."""
+    if not isinstance(attention_mask, LowerRightCausal):
+        return HF_SDPA[0](module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    # (N, h, C, D) queries over (N, kvh, P'+C, D) keys: query t sees keys <= P'+t (flash: is_causal, bottom-right)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=causal_lower_right(query.shape[-2], key.shape[-2]), dropout_p=dropout,
+        scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None  # (N, C, h, D), as HF's attention functions return it
+
+
+HF_SDPA = []  # the "sdpa" function lower_right_sdpa found installed (and delegates to)
+
+
+def use_lower_right_sdpa():
+    """route transformers' "sdpa" through lower_right_sdpa (idempotent); every other mask goes to the original"""
+    if not HF_SDPA:
+        HF_SDPA.append(ALL_ATTENTION_FUNCTIONS["sdpa"])
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = lower_right_sdpa  # the shared instance's local mapping
 
 
 @contextlib.contextmanager
@@ -224,6 +252,8 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
         pos_c = pos[:, -1:].repeat_interleave(G, 0) + torch.arange(C, device=pos.device)  # continues each prompt
         if FLASH_LOWER_RIGHT and C > 1 and model.config._attn_implementation == "sdpa" and bool(prompt_mask.all()):
             mask = LowerRightCausal((B * G, 1, C, P - 1 + C), ids.device)  # flash, no materialized mask
+            if GQA_LOWER_RIGHT:
+                use_lower_right_sdpa()
         out = trunk(input_ids=ids, attention_mask=mask, position_ids=pos_c, past_key_values=prefix, use_cache=False)
     return out.last_hidden_state  # (B*G, C, H)
 

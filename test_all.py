@@ -439,12 +439,14 @@ def test_kv_edge_shapes():
     model.train()
     padded = _kv_batch(P=9, prompt_lens=(5, 2, 3), seed=5)
     padded = (padded[0], padded[1].bool(), padded[2], padded[3].bool())
-    calls = {"n": 0}
-    torch_function = kv_reuse.LowerRightCausal.__torch_function__.__func__
+    from torch.nn.attention.bias import CausalBias
+    calls = {"n": 0, "kv_heads": set()}
+    dispatch = CausalBias._dispatch  # where SDPA goes with a CausalBias mask
 
-    def counting(cls, func, types, args=(), kwargs=None):
-        calls["n"] += func is torch.nn.functional.scaled_dot_product_attention
-        return torch_function(cls, func, types, args, kwargs)
+    def counting(query, key, value, attn_mask, *args, **kw):
+        calls["n"] += 1
+        calls["kv_heads"].add(key.shape[1])
+        return dispatch(query, key, value, attn_mask, *args, **kw)
 
     for name, batch, lower_right in (("C=1", _kv_batch(C=1, completion_lens=[1] * 9, seed=6), 0),
                                      ("P=1", _kv_batch(P=1, prompt_lens=(1, 1, 1), seed=7), 0),
@@ -452,13 +454,15 @@ def test_kv_edge_shapes():
                                      ("no prompt padding", _kv_batch(prompt_lens=(7, 7, 7), seed=8), 2 * 2)):
         logp_full, grads_full = _kv_loss_and_grads(model, batch, G, reuse=False)
         calls["n"] = 0
-        kv_reuse.LowerRightCausal.__torch_function__ = classmethod(counting)
+        CausalBias._dispatch = staticmethod(counting)
         try:
             logp_reuse, grads_reuse = _kv_loss_and_grads(model, batch, G, reuse=True)
         finally:
-            kv_reuse.LowerRightCausal.__torch_function__ = classmethod(torch_function)
-        # no padding in any prompt: SDPA gets torch's lower-right CausalBias (2 layers, forward + GC recompute)
+            CausalBias._dispatch = staticmethod(dispatch)
+        # no padding in any prompt: SDPA gets torch's lower-right CausalBias (2 layers, forward + GC recompute), with
+        # the K/V heads as they are (GQA inside SDPA, no repeat_kv)
         assert calls["n"] == lower_right, f"{name}: {calls['n']} lower-right SDPA calls, want {lower_right}"
+        assert calls["kv_heads"] <= {model.config.num_key_value_heads}, f"{name}: K/V heads {calls['kv_heads']}"
         err = (logp_reuse - logp_full).abs().max().item()
         assert err <= 1e-5, f"{name}: log-prob max abs error {err:.2e}"
         for n in grads_full:
