@@ -440,6 +440,24 @@ def grad_check(model, logp, P):
     return dict(P=P, all_params=total, worst_param=worst, worst=rel[worst], embed=rel.get("model.embed_tokens.weight"))
 
 
+def flop_ratio(config, P):
+    """full / reuse FLOPs of one benchmark step: the speedup a reuse path as efficient per FLOP as the full one would
+    reach. Token counts alone (B*G*(P+C) / B*(P+G*C)) overstate it: the completion pass attends P+C keys per row,
+    and the LM head (same in both) does not shrink. GC: trunk matmuls x4 (forward, recompute, 2 in backward),
+    attention x4.5 (its backward is 5 matmuls to the forward's 2); the fused LM head x4 (forward, recompute, dH, dW)."""
+    H, L, I, V = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
+    h, kvh = config.num_attention_heads, config.num_key_value_heads
+    D = getattr(config, "head_dim", None) or H // h
+    linear = 4 * 2 * L * (H * h * D * 2 + 2 * H * kvh * D + 3 * H * I)  # per token: q, o, k, v, MLP
+    attn = 4.5 * 4 * L * h * D  # per (query, key) pair: QK^T and PV
+    lm_head = 4 * 2 * H * V * B_ * G_ * C_
+    S = P + C_ - 1  # full path: B*G causal rows of S tokens
+    full = linear * B_ * G_ * S + attn * B_ * G_ * S * (S + 1) / 2 + lm_head
+    reuse = (linear * (B_ * (P - 1) + B_ * G_ * C_) + lm_head
+             + attn * (B_ * (P - 1) * P / 2 + B_ * G_ * (C_ * (P - 1) + C_ * (C_ + 1) / 2)))
+    return full / reuse
+
+
 def bench_train(model, logp, P, reuse, mixed=False):
     """ms per fwd+bwd (completion_hidden + log-prob loss + backward) and peak GiB allocated"""
     prompt_ids, prompt_mask, completion_ids, completion_mask = bench_batch(model, P, mixed)
@@ -522,7 +540,8 @@ def main():
     except Exception as e:  # noqa: BLE001
         gcheck = f"{type(e).__name__}: {e}"
         print(f"grad check failed: {gcheck}")
-    print(f"{'P':>6} | {'full ms':>9} {'GiB':>6} | {'reuse ms':>9} {'GiB':>6} | {'speedup':>7} {'ceiling':>7} | "
+    print(f"{'P':>6} | {'full ms':>9} {'GiB':>6} | {'reuse ms':>9} {'GiB':>6} | "
+          f"{'speedup':>7} {'tokens':>7} {'flops':>6} | "
           f"{'max|dlogp|':>10}")
     global FLASH_LOWER_RIGHT
     rows, flash_ok = [], True
@@ -537,19 +556,20 @@ def main():
             flash_ok = FLASH_LOWER_RIGHT = False
             ms_r, gb_r, lp_r, err_r = bench_train(model, logp, P, reuse=True, mixed=mixed)
         FLASH_LOWER_RIGHT = True
-        ceiling = B_ * G_ * (P + C_) / (B_ * (P + G_ * C_))
+        ceiling, flops = B_ * G_ * (P + C_) / (B_ * (P + G_ * C_)), flop_ratio(model.config, P)
         speedup = ms_f / ms_r if ms_f and ms_r else None
         diff = (lp_f - lp_r).abs().max().item() if lp_f is not None and lp_r is not None else None
         rows.append(dict(P=P, mixed_lengths=mixed, reuse_flash_lower_right=flash and flash_ok and not mixed,
                          full_ms=ms_f, full_gib=gb_f, reuse_ms=ms_r, reuse_gib=gb_r, speedup=speedup,
-                         ceiling=ceiling, max_abs_logp_diff=diff, full_error=err_f, reuse_error=err_r))
+                         token_ceiling=ceiling, flop_ratio=flops, max_abs_logp_diff=diff, full_error=err_f, reuse_error=err_r))
         fmt = lambda v, spec, err="": (format(v, spec) if v is not None else (err or "-")[:3]).rjust(
             int(spec.split(".")[0]))
         label = f"{P}{'*' if mixed else ''}{'~' if not flash else ''}"
         print(f"{label:>6} | {fmt(ms_f, '9.1f', err_f)} {fmt(gb_f, '6.2f', err_f)} | {fmt(ms_r, '9.1f', err_r)} "
-              f"{fmt(gb_r, '6.2f', err_r)} | {fmt(speedup, '6.2f')}x {ceiling:6.2f}x | {fmt(diff, '10.2e')}",
+              f"{fmt(gb_r, '6.2f', err_r)} | {fmt(speedup, '6.2f')}x {ceiling:6.2f}x {flops:5.2f}x | {fmt(diff, '10.2e')}",
               flush=True)
     print("     * mixed lengths: prompts in [P/2, P] left-padded, completions in [C/2, C] right-padded (mask path)")
+    print("     tokens: B*G*(P+C) / B*(P+G*C); flops: full/reuse FLOPs (flop_ratio), the speedup at equal efficiency")
     print("     ~ reuse with FLASH_LOWER_RIGHT off: the completion pass gets a materialized (B*G, 1, C, P+C-1) mask")
     gen = bench_generate(model)
     print(f"generation, B={GEN_B} P={GEN_P} G={GEN_G}, up to {GEN_T} new tokens, sampling T=1:")
