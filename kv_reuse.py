@@ -561,13 +561,14 @@ def main():
         diff = (lp_f - lp_r).abs().max().item() if lp_f is not None and lp_r is not None else None
         rows.append(dict(P=P, mixed_lengths=mixed, reuse_flash_lower_right=flash and flash_ok and not mixed,
                          full_ms=ms_f, full_gib=gb_f, reuse_ms=ms_r, reuse_gib=gb_r, speedup=speedup,
-                         token_ceiling=ceiling, flop_ratio=flops, max_abs_logp_diff=diff, full_error=err_f, reuse_error=err_r))
+                         token_ceiling=ceiling, flop_ratio=flops, max_abs_logp_diff=diff, full_error=err_f,
+                         reuse_error=err_r))
         fmt = lambda v, spec, err="": (format(v, spec) if v is not None else (err or "-")[:3]).rjust(
             int(spec.split(".")[0]))
         label = f"{P}{'*' if mixed else ''}{'~' if not flash else ''}"
         print(f"{label:>6} | {fmt(ms_f, '9.1f', err_f)} {fmt(gb_f, '6.2f', err_f)} | {fmt(ms_r, '9.1f', err_r)} "
-              f"{fmt(gb_r, '6.2f', err_r)} | {fmt(speedup, '6.2f')}x {ceiling:6.2f}x {flops:5.2f}x | {fmt(diff, '10.2e')}",
-              flush=True)
+              f"{fmt(gb_r, '6.2f', err_r)} | {fmt(speedup, '6.2f')}x {ceiling:6.2f}x {flops:5.2f}x | "
+              f"{fmt(diff, '10.2e')}", flush=True)
     print("     * mixed lengths: prompts in [P/2, P] left-padded, completions in [C/2, C] right-padded (mask path)")
     print("     tokens: B*G*(P+C) / B*(P+G*C); flops: full/reuse FLOPs (flop_ratio), the speedup at equal efficiency")
     print("     ~ reuse with FLASH_LOWER_RIGHT off: the completion pass gets a materialized (B*G, 1, C, P+C-1) mask")
