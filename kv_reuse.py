@@ -118,8 +118,9 @@ def lower_right_sdpa(module, query, key, value, attention_mask, dropout=0.0, sca
     Qwen2.5-0.5B that is 7 copies of every (B*G, kvh, P'+C, D) K/V in forward and recompute, and a 7-way sum in
     backward. Installed for the process by use_lower_right_sdpa(); the mask type, not a context, picks the branch,
     so a gradient-checkpoint recompute (after completion_hidden has returned) takes the same branch."""
-    if not isinstance(attention_mask, LowerRightCausal):
-        return HF_SDPA[0](module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if not isinstance(attention_mask, LowerRightCausal):  # what "sdpa" would be without us, looked up per call
+        sdpa = HF_SDPA[0] or type(ALL_ATTENTION_FUNCTIONS)._global_mapping["sdpa"]  # (AttentionInterface.register)
+        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     # (N, h, C, D) queries over (N, kvh, P'+C, D) keys: query t sees keys <= P'+t (flash: is_causal, bottom-right)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=causal_lower_right(query.shape[-2], key.shape[-2]), dropout_p=dropout,
@@ -127,13 +128,13 @@ def lower_right_sdpa(module, query, key, value, attention_mask, dropout=0.0, sca
     return out.transpose(1, 2).contiguous(), None  # (N, C, h, D), as HF's attention functions return it
 
 
-HF_SDPA = []  # the "sdpa" function lower_right_sdpa found installed (and delegates to)
+HF_SDPA = []  # [a local "sdpa" override found at install, or None: then the library-wide one, at each call]
 
 
 def use_lower_right_sdpa():
-    """route transformers' "sdpa" through lower_right_sdpa (idempotent); every other mask goes to the original"""
+    """route transformers' "sdpa" through lower_right_sdpa (idempotent); every other mask goes where it went"""
     if not HF_SDPA:
-        HF_SDPA.append(ALL_ATTENTION_FUNCTIONS["sdpa"])
+        HF_SDPA.append(ALL_ATTENTION_FUNCTIONS._local_mapping.get("sdpa"))
         ALL_ATTENTION_FUNCTIONS["sdpa"] = lower_right_sdpa  # the shared instance's local mapping
 
 

@@ -473,6 +473,33 @@ def test_kv_edge_shapes():
 
 @check
 @_kv_one_thread
+def test_kv_sdpa_override_passes_everything_else_on():
+    """kv_reuse routes transformers' "sdpa" through lower_right_sdpa for the life of the process: every call without
+    its mask must still reach the "sdpa" in force, including one registered after kv_reuse installed itself"""
+    import kv_reuse
+    from transformers import AttentionInterface
+    model = _kv_model("llama")
+    batch = _kv_batch(prompt_lens=(7, 7, 7), seed=9)
+    kv_reuse.completion_hidden(model, *batch, 3)  # no prompt padding: installs the override
+    assert kv_reuse.ALL_ATTENTION_FUNCTIONS["sdpa"] is kv_reuse.lower_right_sdpa
+    library_sdpa, calls = AttentionInterface._global_mapping["sdpa"], []
+
+    def spy(*args, **kw):
+        calls.append(1)
+        return library_sdpa(*args, **kw)
+
+    AttentionInterface.register("sdpa", spy)
+    try:
+        full = kv_reuse.completion_hidden(model, *batch, 3, reuse=False)
+    finally:
+        AttentionInterface.register("sdpa", library_sdpa)
+    assert len(calls) == model.config.num_hidden_layers, f"{len(calls)} calls reached the registered sdpa"
+    real = batch[3].bool()  # padding rows of the completions are free to differ
+    assert_close(kv_reuse.completion_hidden(model, *batch, 3)[real], full[real], 1e-5, "reuse vs full, after")
+
+
+@check
+@_kv_one_thread
 def test_kv_bad_inputs_and_unsupported_models():
     import warnings
     import kv_reuse
