@@ -45,7 +45,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # full-attention decoders whose trunk we have checked
 CHECK_EVERY = 8  # generate_groups: decode steps between "all rows finished?" host syncs
 FLASH_LOWER_RIGHT = True  # sdpa + no prompt padding: lower-right causal attention instead of a materialized mask
-GQA_LOWER_RIGHT = True  # ...and K/V heads passed to SDPA unrepeated (enable_gqa), see lower_right_sdpa
 # decode attention backends: everything but cuDNN. torch's cuDNN SDPA (preferred on Hopper) builds and caches a graph
 # per shape, and the key length grows by one every decode step, so it rebuilt one per step: an H100 profile of
 # generate_groups showed 1.4 s wall for 126 ms of GPU work over 32 steps (Qwen2.5-0.5B shape, 32 rows)
@@ -253,8 +252,7 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
         pos_c = pos[:, -1:].repeat_interleave(G, 0) + torch.arange(C, device=pos.device)  # continues each prompt
         if FLASH_LOWER_RIGHT and C > 1 and model.config._attn_implementation == "sdpa" and bool(prompt_mask.all()):
             mask = LowerRightCausal((B * G, 1, C, P - 1 + C), ids.device)  # flash, no materialized mask
-            if GQA_LOWER_RIGHT:
-                use_lower_right_sdpa()
+            use_lower_right_sdpa()  # ...with the K/V heads unrepeated
         out = trunk(input_ids=ids, attention_mask=mask, position_ids=pos_c, past_key_values=prefix, use_cache=False)
     return out.last_hidden_state  # (B*G, C, H)
 
