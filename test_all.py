@@ -527,6 +527,18 @@ def test_kv_bad_inputs_and_unsupported_models():
             want = kv_reuse.completion_hidden(sw, *batch, G, reuse=False)
     assert any("full-sequence path" in str(w.message) for w in caught), "no fallback warning"
     assert torch.equal(got, want)
+    # ...and generate_groups samples it with model.generate (its static decode mask has no sliding window)
+    eos = [7, 2]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ids, mask = kv_reuse.generate_groups(sw, prompt_ids, prompt_mask, G, 5, temperature=0.0, eos_token_id=eos,
+                                             pad_token_id=0)
+    assert any("sampling with model.generate" in str(w.message) for w in caught), "no fallback warning"
+    ref = _kv_generate_reference(sw, prompt_ids, prompt_mask, 5, eos=eos)
+    for r in range(ids.shape[0]):
+        n = int(mask[r].sum())
+        want = ref[r // G][:next((i + 1 for i, x in enumerate(ref[r // G]) if x in eos), 5)]
+        assert ids[r, :n].tolist() == want and (ids[r, n:] == 0).all(), f"fallback row {r}: {ids[r].tolist()} {want}"
 
 
 def _kv_generate_reference(model, prompt_ids, prompt_mask, max_new_tokens, eos):
