@@ -301,7 +301,7 @@ def decode_one_token(model, tok, attn, pos, cache):
     return out.logits[:, -1].float()  # (B*G, V)
 
 
-GRAPH_POOLS = {}  # device index -> the torch.cuda.MemPool every decode graph allocates from
+CAPTURE = {}  # device index -> [side stream, latest decode graph], reused by the next capture (see graphed)
 
 
 def graphed(fn):
@@ -309,21 +309,24 @@ def graphed(fn):
     cuBLAS/SDPA setup must not happen inside the capture); warm-up and capture both write K/V at the current slot,
     which the first real step overwrites. capture_begin/end rather than `with torch.cuda.graph()`: that one empties
     the allocator's cache before every capture, so the training step after each generation re-allocated its whole
-    working set (+15% update time in the trainer). All graphs share one memory pool: a dead graph's memory is reused
-    by the next capture instead of waiting, unreleased, for an out-of-memory retry."""
+    working set (+15% update time in the trainer). One side stream and one memory pool per device, reused from call
+    to call: the caching allocator keeps freed blocks per stream, so a new stream per call stranded the warm-up's
+    memory (+0.75 GiB reserved per call), and a dead graph's own pool stays reserved until an out-of-memory retry."""
     dev = torch.cuda.current_device()
-    if dev not in GRAPH_POOLS:
-        GRAPH_POOLS[dev] = torch.cuda.MemPool()
-    side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    if dev not in CAPTURE:
+        CAPTURE[dev] = [torch.cuda.Stream(), None]
+    side, prev = CAPTURE[dev]
+    graph = torch.cuda.CUDAGraph()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
-        graph.capture_begin(pool=GRAPH_POOLS[dev].id)
+        graph.capture_begin(*(() if prev is None else (prev.pool(),)))
         try:
             out = fn()
         finally:
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
+    CAPTURE[dev][1] = graph  # the previous graph is freed here; its pool lives on in this one
 
     def replay():
         graph.replay()
@@ -423,9 +426,9 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         if CUDA_GRAPH and dev.type == "cuda" and max_new_tokens > 1:
             try:
                 step = graphed(step)
-            except Exception as e:  # noqa: BLE001 - e.g. a host sync inside some model's forward: decode eagerly
-                warnings.warn(f"kv_reuse: CUDA graph capture of the decode step failed ({type(e).__name__}: {e}); "
-                              "decoding without it (set kv_reuse.CUDA_GRAPH = False to skip the attempt)")
+            except Exception as e:  # a failed capture leaves CUDA state (RNG offsets, pools) unusable: stop here
+                raise RuntimeError("kv_reuse.generate_groups: CUDA graph capture of the decode step failed (e.g. a "
+                                   "host sync inside this model's forward); set kv_reuse.CUDA_GRAPH = False") from e
         done = torch.zeros(N, dtype=torch.bool, device=dev)
         toks, keep = [], []
         for t in range(max_new_tokens):
