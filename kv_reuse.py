@@ -337,17 +337,18 @@ def graphed(fn):
 @torch.no_grad()
 def hf_generate_groups(model, prompt_ids, prompt_mask, G, max_new_tokens, temperature, top_p, top_k, eos, pad):
     """generate_groups' fallback for models its decode cannot handle: model.generate, same output format"""
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 else \
-        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    if temperature > 0:
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, num_return_sequences=G)
+    else:  # greedy: the G rows of a group are equal; HF refuses num_return_sequences > 1 without sampling
+        sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     was_training = model.training
     model.eval()
     try:
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, num_return_sequences=1 if
-                             temperature == 0 else G, max_new_tokens=max_new_tokens, eos_token_id=eos.tolist(),
-                             pad_token_id=pad, **sampling)
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
+                             eos_token_id=eos.tolist(), pad_token_id=pad, **sampling)
     finally:
         model.train(was_training)
-    ids = out[:, prompt_ids.shape[1]:]  # (B*G, T), rows b*G + g (greedy: the G rows are equal, generated once)
+    ids = out[:, prompt_ids.shape[1]:]  # (B*G, T), rows b*G + g
     ids = ids.repeat_interleave(G, 0) if temperature == 0 else ids
     ended = torch.isin(ids, eos).long().cumsum(1)
     keep = ((ended == 0) | ((ended == 1) & torch.isin(ids, eos))).long()  # up to and including the first EOS
@@ -417,9 +418,10 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         key_ok[:, 0, 0, :P] = prompt_mask.repeat_interleave(G, 0).bool()
         if impl == "sdpa":
             attn, on = key_ok, True
-        else:
+        else:  # eager adds the mask to the scores: 0 where allowed, the dtype's min elsewhere
             dtype = layers[0].keys.dtype
-            attn, on = torch.zeros(key_ok.shape, dtype=dtype, device=dev).masked_fill(~key_ok, torch.finfo(dtype).min), 0.0
+            attn = torch.full(key_ok.shape, torch.finfo(dtype).min, dtype=dtype, device=dev).masked_fill(key_ok, 0)
+            on = 0.0
         tok_in = torch.zeros(N, 1, dtype=torch.long, device=dev)  # the fed token, (B*G, 1)
         pos_in = pos[:, -1:].repeat_interleave(G, 0) + 1  # its position, (B*G, 1)
         step = lambda: decode_one_token(model, tok_in, attn, pos_in, static)
