@@ -20,7 +20,8 @@ import math
 
 import torch
 
-from kv_reuse import completion_hidden, generate_groups
+from kv_reuse import completion_hidden
+from rollout import generate_groups
 from logprobs import token_logprobs
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")

@@ -6,8 +6,7 @@ repeated G times, and only the completions run on top of them.
     reuse path : B*(P-1) + B*G*C tokens                  (prefill once, then the G completions attend to it)
 
 completion_hidden() returns the final-norm hidden states that predict each completion token; the caller applies
-lm_head (logprobs.py). generate_groups() samples G completions per prompt from one prefill, decoding on a
-static cache with each step replayed as a CUDA graph.
+lm_head (logprobs.py). Sampling the completions is rollout.py's (it reuses positions/trim_left_padding from here).
 
 Why the prefill must keep its graph: the completions' loss reaches the prompt's positions only through their K/V
 (TRL PR #2669 ran the prefill under no_grad and lost all of it: half the embedding gradient in test_kv_*'s tiny
@@ -24,8 +23,6 @@ unrepeated (GQA inside the kernel; lower_right_sdpa).
 
     completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size, reuse=True)
         -> (B*G, C, H) final-norm hidden states, row t predicts completion token t
-    generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
-                    top_k=0, eos_token_id=None, pad_token_id=None) -> (completion_ids, completion_mask) (B*G, C)
 """
 import contextlib
 import json
@@ -36,21 +33,13 @@ import traceback
 import warnings
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # full-attention decoders whose trunk we have checked
-CHECK_EVERY = 8  # generate_groups: decode steps between "all rows finished?" host syncs
 FLASH_LOWER_RIGHT = True  # sdpa + no prompt padding: lower-right causal attention instead of a materialized mask
-# decode attention backends: everything but cuDNN. torch's cuDNN SDPA (preferred on Hopper) builds and caches a graph
-# per shape; with the old growing cache it rebuilt one per step (an H100 profile: 1.4 s wall for 126 ms of GPU work
-# over 32 steps). The static cache keeps one shape per call now; the measured numbers are with these backends.
-DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-CUDA_GRAPH = True  # generate_groups on CUDA: capture one decode step as a CUDA graph and replay it per token
 
 # ----------------------------------------------------------------------------------------------------------------
 # caches that are idempotent under gradient-checkpoint recompute
@@ -260,208 +249,12 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# generation
-#
-# Decode runs on fixed buffers so that one step can be captured as a CUDA graph and replayed: a decode step of a
-# small model is ~1250 tiny kernels, and launching them from Python costs more than running them (SmolLM2-135M at
-# the trainer's shape, 256 rows: 19 ms per token wall for 4 ms of GPU work). The cache is StaticGroupLayer: each
-# layer's K/V live in one (B*G, kvh, P+T-1, D) buffer, every step writes its token at column `slot` (a device
-# scalar shared by all layers), and a (B*G, 1, 1, P+T-1) key mask hides the padding and the columns not yet
-# written. Only the sampling runs outside the graph.
-
-
-class StaticGroupLayer(DynamicLayer):
-    """Decode cache layer: K/V buffers (N, kvh, L, D) allocated once; update() writes the step's K/V at column
-    slot[0] and returns the whole buffer (the mask hides unwritten columns). Same addresses every step."""
-
-    def __init__(self, keys, values, slot):
-        super().__init__()
-        self.keys, self.values, self.slot, self.is_initialized = keys, values, slot, True
-        self.dtype, self.device = keys.dtype, keys.device
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        self.keys.index_copy_(2, self.slot, key_states)  # (N, kvh, 1, D) into column slot
-        self.values.index_copy_(2, self.slot, value_states)
-        return self.keys, self.values
-
-    def get_seq_length(self):
-        return self.keys.shape[-2]  # never asked (we pass position ids and a 4D mask): the buffer length
-
-
-def prefill(model, ids, mask, pos, cache):
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                logits_to_keep=1)
-    return out.logits[:, -1].float()  # (B, V)
-
-
-def decode_one_token(model, tok, attn, pos, cache):
-    with sdpa_kernel(DECODE_BACKENDS):
-        out = model(input_ids=tok, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)
-    return out.logits[:, -1].float()  # (B*G, V)
-
-
-CAPTURE = {}  # device index -> [side stream, latest decode graph], reused by the next capture (see graphed)
-
-
-def graphed(fn):
-    """fn() captured as a CUDA graph: returns replay() -> fn's output buffer. Warm-up on the side stream first (lazy
-    cuBLAS/SDPA setup must not happen inside the capture); warm-up and capture both write K/V at the current slot,
-    which the first real step overwrites. capture_begin/end rather than `with torch.cuda.graph()`: that one empties
-    the allocator's cache before every capture, so the training step after each generation re-allocated its whole
-    working set (+15% update time in the trainer). One side stream and one memory pool per device, reused from call
-    to call: the caching allocator keeps freed blocks per stream, so a new stream per call stranded the warm-up's
-    memory (+0.75 GiB reserved per call), and a dead graph's own pool stays reserved until an out-of-memory retry."""
-    dev = torch.cuda.current_device()
-    if dev not in CAPTURE:
-        CAPTURE[dev] = [torch.cuda.Stream(), None]
-    side, prev = CAPTURE[dev]
-    graph = torch.cuda.CUDAGraph()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        graph.capture_begin(*(() if prev is None else (prev.pool(),)))
-        try:
-            out = fn()
-        finally:
-            graph.capture_end()
-    torch.cuda.current_stream().wait_stream(side)
-    CAPTURE[dev][1] = graph  # the previous graph is freed here; its pool lives on in this one
-
-    def replay():
-        graph.replay()
-        return out
-    return replay
-
-
-@torch.no_grad()
-def hf_generate_groups(model, prompt_ids, prompt_mask, G, max_new_tokens, temperature, top_p, top_k, eos, pad):
-    """generate_groups' fallback for models its decode cannot handle: model.generate, same output format"""
-    if temperature > 0:
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, num_return_sequences=G)
-    else:  # greedy: the G rows of a group are equal; HF refuses num_return_sequences > 1 without sampling
-        sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    was_training = model.training
-    model.eval()
-    try:
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos.tolist(), pad_token_id=pad, **sampling)
-    finally:
-        model.train(was_training)
-    ids = out[:, prompt_ids.shape[1]:]  # (B*G, T), rows b*G + g
-    ids = ids.repeat_interleave(G, 0) if temperature == 0 else ids
-    is_eos = torch.isin(ids, eos)
-    ended = is_eos.long().cumsum(1)
-    keep = ((ended == 0) | ((ended == 1) & is_eos)).long()  # up to and including the first EOS
-    n = int(keep.sum(1).max())
-    return ids[:, :n].masked_fill(keep[:, :n] == 0, pad), keep[:, :n]
-
-
-def sample(logits, warpers):
-    if warpers is None:  # temperature 0: greedy
-        return logits.argmax(-1)
-    for w in warpers:
-        logits = w(None, logits)
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1).squeeze(1)  # torch's global RNG
-
-
-@torch.no_grad()
-def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
-                    top_k=0, eos_token_id=None, pad_token_id=None):
-    """G completions per prompt, (B*G, C) right-padded ids and mask (1 up to and including EOS), row = b*G + g.
-    C <= max_new_tokens: the longest row (trailing all-padding columns are trimmed). Greedy when temperature=0."""
-    if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
-        raise ValueError("prompt_ids and prompt_mask must both be (B, P)")
-    if not bool((prompt_mask[:, -1] == 1).all()):
-        raise ValueError("prompts must be left-padded (last column real); use tokenizer.padding_side='left'")
-    if group_size < 1 or max_new_tokens < 1 or temperature < 0:
-        raise ValueError("need group_size >= 1, max_new_tokens >= 1, temperature >= 0")
-    eos_token_id = model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
-    if eos_token_id is None:
-        raise ValueError("pass eos_token_id (int or list of ints)")
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
-                       device=prompt_ids.device)
-    pad = int(eos[0]) if pad_token_id is None else pad_token_id
-    impl = model.config._attn_implementation
-    why = reuse_unsupported(model) or (impl not in ("sdpa", "eager") and  # flash/flex would drop our 4D mask
-                                       f"attn_implementation {impl!r} is not 'sdpa' or 'eager'")
-    if why:  # the static cache and its plain key mask assume full attention everywhere (no sliding window)
-        warnings.warn(f"kv_reuse.generate_groups: {why}; sampling with model.generate")
-        return hf_generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature, top_p,
-                                  top_k, eos, pad)
-    # same warper order as HF generate: temperature, top-k, top-p
-    warpers = None if temperature == 0 else []
-    if temperature > 0:
-        warpers += [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
-        warpers += [TopKLogitsWarper(top_k)] if top_k > 0 else []
-        warpers += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
-    prompt_ids, prompt_mask = trim_left_padding(prompt_ids, prompt_mask.long())
-    (B, P), G, dev = prompt_ids.shape, group_size, prompt_ids.device
-    N, L = B * G, P + max_new_tokens - 1  # the last sampled token is never fed back
-    was_training = model.training
-    model.eval()  # no dropout, no checkpointing while sampling
-    try:
-        pos = positions(prompt_mask)
-        cache = DynamicCache(config=model.config)
-        logits = prefill(model, prompt_ids, prompt_mask, pos, cache).repeat_interleave(G, 0)  # (B*G, V)
-        # static decode cache: the prompt's K/V repeated G times into columns [0, P) of (B*G, kvh, L, D) buffers
-        slot = torch.full((1,), P, dtype=torch.long, device=dev)  # the column the next fed token goes to
-        def static_buffer(x):  # (B, kvh, P, D) -> (B*G, kvh, L, D), one broadcast copy into columns [0, P)
-            buf = x.new_zeros(B, G, x.shape[1], L, x.shape[3])
-            buf[..., :P, :] = x[:, None]
-            return buf.view(N, x.shape[1], L, x.shape[3])
-        layers = [StaticGroupLayer(static_buffer(l.keys), static_buffer(l.values), slot) for l in cache.layers]
-        static, cache = Cache(layers=layers), None
-        # key mask (B*G, 1, 1, L): bool for sdpa, additive for eager. HF passes a 4D mask through as is (no
-        # per-step mask building, no host sync); column slot is switched on before each step.
-        key_ok = torch.zeros(N, 1, 1, L, dtype=torch.bool, device=dev)
-        key_ok[:, 0, 0, :P] = prompt_mask.repeat_interleave(G, 0).bool()
-        if impl == "sdpa":
-            attn, on = key_ok, True
-        else:  # eager adds the mask to the scores: 0 where allowed, the dtype's min elsewhere
-            dtype = layers[0].keys.dtype
-            attn = torch.full(key_ok.shape, torch.finfo(dtype).min, dtype=dtype, device=dev).masked_fill(key_ok, 0)
-            on = 0.0
-        tok_in = torch.zeros(N, 1, dtype=torch.long, device=dev)  # the fed token, (B*G, 1)
-        pos_in = pos[:, -1:].repeat_interleave(G, 0) + 1  # its position, (B*G, 1)
-        step = lambda: decode_one_token(model, tok_in, attn, pos_in, static)
-        if CUDA_GRAPH and dev.type == "cuda" and max_new_tokens > 1:
-            try:
-                step = graphed(step)
-            except Exception as e:  # a failed capture leaves CUDA state (RNG offsets, pools) unusable: stop here
-                raise RuntimeError("kv_reuse.generate_groups: CUDA graph capture of the decode step failed (e.g. a "
-                                   "host sync inside this model's forward); set kv_reuse.CUDA_GRAPH = False") from e
-        done = torch.zeros(N, dtype=torch.bool, device=dev)
-        toks, keep = [], []
-        for t in range(max_new_tokens):
-            tok = sample(logits, warpers).masked_fill(done, pad)
-            toks.append(tok)
-            keep.append(~done)
-            done = done | torch.isin(tok, eos)
-            # "all rows finished?" is a host sync that stalls the launch queue: ask every CHECK_EVERY steps
-            if t == max_new_tokens - 1 or ((t + 1) % CHECK_EVERY == 0 and bool(done.all())):
-                break
-            tok_in.copy_(tok[:, None])
-            attn.index_fill_(-1, slot, on)  # the fed token sees itself
-            logits = step()  # the graph's output buffer on CUDA: sampled from before the next replay
-            slot.add_(1)
-            pos_in.add_(1)
-    finally:
-        model.train(was_training)
-    ids, keep = torch.stack(toks, 1), torch.stack(keep, 1).long()  # (B*G, T) each
-    n = int(keep.sum(1).max())  # steps run after every row had finished are all padding
-    return ids[:, :n], keep[:, :n]
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # benchmark: `python kv_reuse.py` (GPU: Qwen2.5-0.5B-shaped random model, bf16, SDPA, GC on; CPU: tiny smoke run)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 B_, G_, C_ = (4, 8, 256) if CUDA else (2, 4, 16)
 PROMPT_LENS = (512, 2048, 4096, 8192) if CUDA else (32, 64)
-# generation (B, G, P, new tokens): the issue's long-prompt shape, and the trainer's (many short rows: launch-bound)
-GEN_SHAPES = [(2, 16, 2048, 128), (32, 8, 64, 64)] if CUDA else [(2, 4, 32, 8)]
 REPS = 3 if CUDA else 1
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -604,42 +397,6 @@ def bench_train(model, logp, P, reuse, mixed=False):
         free()
 
 
-def bench_generate(model, B, G, P, T):
-    """tokens/s at (B prompts of P tokens, G samples each, T new tokens): generate_groups with and without its
-    CUDA-graph decode, and model.generate(num_return_sequences=G, do_sample=True)"""
-    global CUDA_GRAPH
-    g = torch.Generator(device=DEV).manual_seed(1)
-    prompt_ids = torch.randint(3, model.config.vocab_size, (B, P), device=DEV, generator=g)
-    prompt_mask = torch.ones_like(prompt_ids)
-    eos, pad = model.config.eos_token_id, model.config.pad_token_id
-    ours = lambda T: generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=1.0, eos_token_id=eos,
-                                     pad_token_id=pad)[0]
-    hf = lambda T: model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True,
-                                  num_return_sequences=G, max_new_tokens=T, temperature=1.0, top_k=0, top_p=1.0,
-                                  eos_token_id=eos, pad_token_id=pad)[:, P:]
-    out = {}
-    model.eval()
-    try:
-        for name, fn, graph in (("generate_groups", ours, True), ("no CUDA graph", ours, False),
-                                ("model.generate", hf, True)):
-            CUDA_GRAPH = graph
-            try:
-                fn(4)  # warm-up
-                sync()
-                t0 = time.perf_counter()
-                ids = fn(T)
-                sync()
-                dt = time.perf_counter() - t0
-                out[name] = dict(s=round(dt, 3), new_tokens=int(ids.shape[1]), tok_per_s=round(ids.numel() / dt, 1))
-            except Exception as e:  # noqa: BLE001 - report it, keep going
-                out[name] = "OOM" if isinstance(e, OOM) else f"{type(e).__name__}: {e}"
-            free()
-    finally:
-        CUDA_GRAPH = True
-        model.train()
-    return out
-
-
 def main():
     import transformers
     if not CUDA:
@@ -690,15 +447,8 @@ def main():
     print("     * mixed lengths: prompts in [P/2, P] left-padded, completions in [C/2, C] right-padded (mask path)")
     print("     tokens: B*G*(P+C) / B*(P+G*C); flops: full/reuse FLOPs (flop_ratio), the speedup at equal efficiency")
     print("     ~ reuse with FLASH_LOWER_RIGHT off: the completion pass gets a materialized (B*G, 1, C, P+C-1) mask")
-    gen = {}
-    for B, G, P, T in GEN_SHAPES:
-        gen[f"B={B} G={G} P={P} T={T}"] = r = bench_generate(model, B, G, P, T)
-        print(f"generation, B={B} P={P} G={G}, up to {T} new tokens, sampling T=1:")
-        for name, x in r.items():
-            print(f"  {name:>16}: " + (x if isinstance(x, str) else f"{x['tok_per_s']:10.1f} tok/s "
-                                       f"({x['s']:.2f} s, {x['new_tokens']} new tokens per row)"))
     print(json.dumps(dict(device=dev_name, torch=torch.__version__, transformers=transformers.__version__,
-                          B=B_, G=G_, C=C_, loss=logp_name, grad_check=gcheck, train=rows, generate=gen)))
+                          B=B_, G=G_, C=C_, loss=logp_name, grad_check=gcheck, train=rows)))
 
 
 if __name__ == "__main__":

@@ -5,10 +5,12 @@ nanoGRPO's checks, plain `python test_all.py` (no pytest). One line per check, t
 With no GPU, Triton kernels run under TRITON_INTERPRET=1 (set here, before triton is imported). The interpreter's
 tl.dot is wrong on bfloat16 (triton #11584), so CPU parity runs fp32/fp16; bf16 is checked on the GPU only.
 """
+import contextlib
 import os
 import sys
 import time
 import traceback
+from types import SimpleNamespace
 
 import torch
 
@@ -527,11 +529,12 @@ def test_kv_bad_inputs_and_unsupported_models():
             want = kv_reuse.completion_hidden(sw, *batch, G, reuse=False)
     assert any("full-sequence path" in str(w.message) for w in caught), "no fallback warning"
     assert torch.equal(got, want)
-    # ...and generate_groups samples it with model.generate (its static decode mask has no sliding window)
+    # ...and generate_groups samples it with model.generate (its decode attention has no sliding window)
+    import rollout
     eos = [7, 2]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ids, mask = kv_reuse.generate_groups(sw, prompt_ids, prompt_mask, G, 5, temperature=0.0, eos_token_id=eos,
+        ids, mask = rollout.generate_groups(sw, prompt_ids, prompt_mask, G, 5, temperature=0.0, eos_token_id=eos,
                                              pad_token_id=0)
     assert any("sampling with model.generate" in str(w.message) for w in caught), "no fallback warning"
     ref = _kv_generate_reference(sw, prompt_ids, prompt_mask, 5, eos=eos)
@@ -551,88 +554,173 @@ def _kv_generate_reference(model, prompt_ids, prompt_mask, max_new_tokens, eos):
         rows.append(out[0, ids.shape[1]:].tolist())
     return rows
 
+# ----------------------------------------------------------------------------------------------------------------
+# rollout.py
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _rollout_knobs(**kw):
+    import rollout
+    old = {k: getattr(rollout, k) for k in kw}
+    for k, v in kw.items():
+        setattr(rollout, k, v)
+    try:
+        yield rollout
+    finally:
+        for k, v in old.items():
+            setattr(rollout, k, v)
+
 
 @check
 @_kv_one_thread
-def test_kv_generate_greedy_matches_hf_generate():
-    """greedy generate_groups == model.generate on each prompt alone; padded prompts (4D sdpa / 2D eager decode
-    masks) and unpadded ones (no mask); an EOS list that ends row 0 mid-way, and one that ends every row by step 2
-    (generate_groups then trims the trailing all-padding columns of its CHECK_EVERY-step stop check)"""
-    import kv_reuse
+def test_rollout_attention_kernel_vs_torch():
+    """the split-K decode kernel == the torch reference on live slots (GQA groups of 2 and 4, 1 and 4 splits,
+    left-padded prompts, a permuted slot -> row map, a finished slot, column 0 and a late column); it writes this
+    step's K/V into the cache at the column, gives finished slots 0 and writes nothing for them"""
+    import rollout
+    g = torch.Generator().manual_seed(0)
+    for N, G, h, kvh, D, P, T, t, S in ((8, 4, 4, 2, 16, 20, 40, 30, 1), (8, 4, 4, 2, 16, 20, 40, 30, 4),
+                                        (6, 3, 8, 2, 16, 7, 9, 0, 2), (4, 2, 4, 1, 32, 70, 150, 140, 2)):
+        B, n = N // G, N - 1
+        rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)
+        pk, pv, ck, cv = rnd(B, kvh, P, D), rnd(B, kvh, P, D), rnd(N, kvh, T, D), rnd(N, kvh, T, D)
+        st = SimpleNamespace(rows=torch.randperm(N, generator=g)[:n].to(DEVICE), G=G, splits=S,
+                             done=torch.zeros(n, dtype=torch.bool, device=DEVICE).index_fill_(0, torch.tensor(
+                                 [1], device=DEVICE), True),
+                             start=torch.randint(0, P, (B,), generator=g, dtype=torch.int32).to(DEVICE),
+                             slot=torch.tensor([t], device=DEVICE))
+        q, k_new, v_new = rnd(n, 1, h, D).transpose(1, 2), rnd(n, kvh, 1, D), rnd(n, 1, kvh, D).transpose(1, 2)
+        got_cache, want_cache = (ck.clone(), cv.clone()), (ck.clone(), cv.clone())
+        got = rollout.decode_attention_triton(q, k_new, v_new, (pk, pv, *got_cache), st, D ** -0.5)
+        want = rollout.decode_attention_torch(q, k_new, v_new, (pk, pv, *want_cache), st, D ** -0.5)
+        live, name = ~st.done, f"N={N} h={h} kvh={kvh} P={P} t={t} splits={S}"
+        assert got.shape == (n, 1, h, D), name
+        assert_close(got[live], want[live], 1e-5, name)
+        assert (got[st.done] == 0).all(), f"{name}: finished slot not zero"
+        for c, w, orig in zip(got_cache, want_cache, (ck, cv)):
+            assert torch.equal(c[st.rows[live]], w[st.rows[live]]), f"{name}: cache write"
+            assert torch.equal(c[st.rows[st.done]], orig[st.rows[st.done]]), f"{name}: wrote a finished row"
+
+
+@check
+def test_rollout_sampler_kernel_draws_softmax():
+    """the Gumbel-max kernel draws from softmax(logits / T) across vocabulary chunks (4 likely ids in 2 chunks of
+    2048), the same seed gives the same draws, and each call advances the seed"""
+    import rollout
+    V, n, T = 3000, 150, 0.5
+    logits = torch.full((V,), -30.0)
+    ids = torch.tensor([5, 2047, 2048, 2999])
+    logits[ids] = torch.tensor([0.1, 0.2, 0.3, 0.4]).log() * T  # softmax(logits / T) = 0.1, 0.2, 0.3, 0.4
+    seed = torch.tensor([123], device=DEVICE)
+    a = rollout.sample_triton(logits.to(DEVICE).expand(n, V), seed, T).cpu()
+    assert seed.item() == 124, "seed not advanced"
+    b = rollout.sample_triton(logits.to(DEVICE).expand(n, V), torch.tensor([123], device=DEVICE), T).cpu()
+    assert torch.equal(a, b), "same seed, different draws"
+    assert torch.isin(a, ids).all(), f"drew an id of probability ~0: {a[~torch.isin(a, ids)].tolist()}"
+    freq = torch.stack([(a == i).float().mean() for i in ids])
+    assert (freq - torch.tensor([0.1, 0.2, 0.3, 0.4])).abs().max() < 0.12, f"frequencies {freq.tolist()}"
+
+
+@check
+@_kv_one_thread
+def test_rollout_greedy_matches_hf_generate():
+    """greedy generate_groups == model.generate on each prompt alone; mixed prompt lengths (left padding) and equal
+    ones; sdpa and eager models; an EOS list that ends row 0 mid-way (the live rows are compacted into smaller
+    buckets, asserted), and one that ends every row by step 2 (the trailing all-padding columns are trimmed)"""
     G, T = 3, 12
-    for arch, attn, lens in (("llama", "sdpa", (7, 2, 4)), ("qwen2", "sdpa", (7, 2, 4)),
-                             ("qwen2", "sdpa", (7, 7, 7)), ("llama", "eager", (7, 2, 4))):
-        model = _kv_model(arch, tied=arch == "qwen2", attn_implementation=attn)
-        prompt_ids, prompt_mask, _, _ = _kv_batch(G=G, prompt_lens=lens, seed=3)
-        free = _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=99999)
-        for eos in ([free[0][3], 98], sorted({row[2] for row in free})):
-            name = f"{arch} {attn} prompts {lens} eos {eos}"
-            ref = _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=eos)
-            ids, mask = kv_reuse.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=0.0,
-                                                 eos_token_id=eos, pad_token_id=0)
-            assert ids.shape == mask.shape and ids.shape[0] == 3 * G, f"{name}: shapes"
-            lens_ref = [next((i + 1 for i, x in enumerate(row) if x in eos), len(row)) for row in ref]
-            assert ids.shape[1] == max(lens_ref), f"{name}: {ids.shape[1]} columns, want {max(lens_ref)}"
-            for r in range(ids.shape[0]):
-                n, want = int(mask[r].sum()), ref[r // G][:lens_ref[r // G]]  # up to and including EOS
-                assert ids[r, :n].tolist() == want, f"{name} row {r}: {ids[r, :n].tolist()} != {want}"
-                assert mask[r, :n].all() and not mask[r, n:].any() and (ids[r, n:] == 0).all(), f"{name} row {r}"
-            assert lens_ref[0] <= 4, f"{name}: EOS did not end row 0 early"
+    with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2) as rollout:
+        compacted = False
+        for arch, attn, lens in (("llama", "sdpa", (7, 2, 4)), ("qwen2", "sdpa", (7, 2, 4)),
+                                 ("qwen2", "sdpa", (7, 7, 7)), ("llama", "eager", (7, 2, 4)),
+                                 ("qwen3", "sdpa", (3, 7, 5))):
+            model = _kv_model(arch, tied=arch == "qwen2", attn_implementation=attn)
+            prompt_ids, prompt_mask, _, _ = _kv_batch(G=G, prompt_lens=lens, seed=3)
+            free = _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=99999)
+            for eos in ([free[0][3], 98], sorted({row[2] for row in free})):
+                name = f"{arch} {attn} prompts {lens} eos {eos}"
+                ref = _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=eos)
+                ids, mask = rollout.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=0.0,
+                                                    eos_token_id=eos, pad_token_id=0)
+                compacted |= len(rollout.LAST["buckets"]) > 1
+                assert ids.shape == mask.shape and ids.shape[0] == 3 * G, f"{name}: shapes"
+                lens_ref = [next((i + 1 for i, x in enumerate(row) if x in eos), len(row)) for row in ref]
+                assert ids.shape[1] == max(lens_ref), f"{name}: {ids.shape[1]} columns, want {max(lens_ref)}"
+                for r in range(ids.shape[0]):
+                    n, want = int(mask[r].sum()), ref[r // G][:lens_ref[r // G]]  # up to and including EOS
+                    assert ids[r, :n].tolist() == want, f"{name} row {r}: {ids[r, :n].tolist()} != {want}"
+                    assert mask[r, :n].all() and not mask[r, n:].any() and (ids[r, n:] == 0).all(), f"{name} row {r}"
+                assert lens_ref[0] <= 4, f"{name}: EOS did not end row 0 early"
+        assert compacted, "no call compacted its live rows into a smaller bucket"
 
 
 if GPU:
     @check
     @_kv_one_thread
-    def test_kv_generate_graph_same_tokens_steady_memory_gpu():
-        """the CUDA-graph decode gives the eager decode's tokens, and repeated calls stop growing reserved memory
-        (a fresh capture stream per call stranded every warm-up's blocks: +0.75 GiB per call at the trainer's shape)"""
-        import kv_reuse
+    def test_rollout_graph_equals_eager_steady_memory_gpu():
+        """at long lengths with rows ending early (compaction), the CUDA-graph decode gives the eager decode's tokens,
+        greedy and sampled, compiled and not; the compiled forward's logits match the plain one's; repeated calls
+        stop growing reserved memory (a fresh capture stream per call once stranded every warm-up's blocks)"""
+        import rollout
         model = _kv_model("llama", vocab_size=4000, hidden_size=256, head_dim=64, intermediate_size=512)
-        lens, reserved = (20, 35, 50, 65), []
-        for i in range(12):
-            P = lens[i % 4]
-            ids = torch.randint(3, 4000, (16, P), generator=torch.Generator().manual_seed(i)).to(DEVICE)
-            got = kv_reuse.generate_groups(model, ids, torch.ones_like(ids), 8, 24, temperature=0.0, eos_token_id=2)
+        ids = torch.randint(3, 4000, (4, 96), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+        mask = torch.ones_like(ids)
+        mask[1, :40] = 0
+        eos = list(range(3, 4000, 400))  # ~1/400 per token: lengths spread over the 600 steps
+        greedy = {}
+        for temperature in (0.0, 1.0):
+            for compile_ in (False, True):
+                out = {}
+                for graph in (True, False):
+                    with _rollout_knobs(CUDA_GRAPH=graph, COMPILE=compile_):
+                        torch.manual_seed(5)
+                        out[graph] = rollout.generate_groups(model, ids, mask, 16, 600, temperature=temperature,
+                                                             eos_token_id=eos, pad_token_id=0)
+                        buckets = rollout.LAST["buckets"]
+                name = f"T={temperature} compile={compile_}"
+                assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1]), name
+                assert len(buckets) > 1 and out[True][0].shape[1] > 100, f"{name}: {buckets}, {out[True][0].shape}"
+            if temperature == 0:  # fp32 here: torch.compile's fused kernels change no greedy token
+                greedy[compile_] = out[True]
+        assert torch.equal(greedy[False][0], greedy[True][0]), "compiled decode != plain decode (greedy, fp32)"
+        reserved = []
+        for i in range(10):
+            P = (20, 35, 50)[i % 3]
+            x = torch.randint(3, 4000, (16, P), generator=torch.Generator().manual_seed(i)).to(DEVICE)
+            rollout.generate_groups(model, x, torch.ones_like(x), 8, 24, temperature=1.0, eos_token_id=2)
             reserved.append(torch.cuda.memory_reserved())
-            if i < 4:
-                kv_reuse.CUDA_GRAPH = False
-                try:
-                    want = kv_reuse.generate_groups(model, ids, torch.ones_like(ids), 8, 24, temperature=0.0,
-                                                    eos_token_id=2)
-                finally:
-                    kv_reuse.CUDA_GRAPH = True
-                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"P={P}: graph != eager"
-        grew = (reserved[-1] - reserved[4]) / 2**20
-        assert grew <= 4, f"reserved memory grew {grew:.0f} MiB over 7 repeated calls: {reserved}"
+        grew = (reserved[-1] - reserved[3]) / 2**20
+        assert grew <= 4, f"reserved memory grew {grew:.0f} MiB over 6 repeated calls: {reserved}"
 
 
 @check
 @_kv_one_thread
-def test_kv_generate_sampling_reproducible():
+def test_rollout_sampling_reproducible():
     """sampling follows torch's global RNG; top_k=1 is greedy; the G rows of a group are independent samples"""
-    import kv_reuse
+    import rollout
     G, T = 4, 6
     model = _kv_model("llama")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # as in the trainer: generate_groups samples in eval mode, then restores train mode
     prompt_ids, prompt_mask, _, _ = _kv_batch(B=2, G=G, prompt_lens=(7, 3), seed=4)
     kw = dict(eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(123)
-    a = kv_reuse.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=2.0, top_p=0.95, **kw)
-    assert model.training, "generate_groups left the model in eval mode"
-    torch.manual_seed(123)
-    b = kv_reuse.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=2.0, top_p=0.95, **kw)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), "same seed, different samples"
-    assert len({tuple(r) for r in a[0][:G].tolist()}) > 1, "all G samples of a group are identical"
-    greedy = kv_reuse.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=0.0, **kw)
-    top1 = kv_reuse.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=0.7, top_k=1, **kw)
+    for temperature, top_p in ((2.0, 0.95), (0.7, 1.0)):  # on a GPU the second runs the Triton sampler
+        torch.manual_seed(123)
+        a = rollout.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=temperature, top_p=top_p, **kw)
+        assert model.training, "generate_groups left the model in eval mode"
+        torch.manual_seed(123)
+        b = rollout.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=temperature, top_p=top_p, **kw)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), f"T={temperature}: same seed, different samples"
+        assert len({tuple(r) for r in a[0][:G].tolist()}) > 1, f"T={temperature}: all G samples identical"
+    greedy = rollout.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=0.0, **kw)
+    top1 = rollout.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=0.7, top_k=1, **kw)
     assert torch.equal(greedy[0], top1[0]), "top_k=1 sampling != greedy"
     # temperature 1, no warpers: the first token of 4000 samples follows softmax(logits) (total variation)
     model.eval()
     ids = prompt_ids[1:, prompt_mask[1] == 1]
     with torch.no_grad():
         p = torch.softmax(model(ids).logits[0, -1].float(), -1)
-    first, _ = kv_reuse.generate_groups(model, ids, torch.ones_like(ids), 4000, 1, **kw)
+    first, _ = rollout.generate_groups(model, ids, torch.ones_like(ids), 4000, 1, **kw)
     freq = torch.bincount(first[:, 0], minlength=p.numel()).float() / first.shape[0]
     tv = 0.5 * (freq - p).abs().sum().item()
     assert tv < 0.12, f"T=1 samples do not follow softmax(logits): total variation {tv:.3f}"

@@ -1,0 +1,648 @@
+"""
+Rollouts: G completions per prompt, sampled at reasoning lengths near the memory-bandwidth limit.
+
+A decode step of B*G rows must read every weight once plus every live row's K/V. Two things decide how close we get:
+
+1. Attention reads only what exists, once. Each prompt is prefilled once and its K/V stay as they are, (B, kvh, P, D),
+   shared by its G rows; each row's own tokens go into a completion cache (B*G, kvh, T, D). One Triton kernel per
+   layer (split-K "flash decoding") takes a row's query heads for one K/V head (GQA inside the kernel, no repeat),
+   walks the prompt's real columns and the row's written columns only, writes this step's K/V into the cache on
+   the way, and a second kernel merges the splits by log-sum-exp:
+       o = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),   M = max_s lse_s
+2. Finished rows stop costing. Rows live in "slots"; slot i decodes cache row rows[i]. Every CHECK_EVERY steps the
+   host reads which rows are done; when the live ones fit a bucket of half the slots or fewer (powers of two), they
+   are compacted into a smaller batch with its own captured graph. Finished rows never run attention (the kernel
+   skips them), and after a compaction they skip the matmuls too. No K/V is copied: only the slot -> row map moves.
+
+Each decode step (model forward, sampling, bookkeeping) is one CUDA graph replay; the host only checks "done" every
+CHECK_EVERY steps. Sampling inside the graph uses the exponential race, argmax(p / E) with E ~ Exp(1), which draws
+token k with probability p_k and needs no host sync (torch.multinomial does).
+
+The model runs as transformers builds it; only its attention function changes for the decode step (registered as
+"nanogrpo_decode" and switched in for the step), so any llama/qwen2/qwen3-style checkpoint works, and other models
+(sliding window, other attention) fall back to model.generate with the same outputs.
+
+    generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
+                    top_k=0, eos_token_id=None, pad_token_id=None) -> (completion_ids, completion_mask) (B*G, C)
+"""
+import contextlib
+import math
+import warnings
+from types import SimpleNamespace
+
+import torch
+import triton
+import triton.language as tl
+from transformers import AttentionInterface
+from transformers.cache_utils import DynamicCache
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from kv_reuse import positions, reuse_unsupported, trim_left_padding
+
+CUDA_GRAPH = True  # on CUDA: capture each decode step (forward + sampling) as a graph and replay it per token
+CHECK_EVERY = 8  # decode steps between host reads of "which rows are done" (a sync that drains the launch queue)
+MIN_BUCKET = 8  # compaction never goes below this many slots
+COMPACT_MIN_STEPS = 32  # compact only if at least this many steps may remain (a capture costs ~2 steps)
+ATTENTION = "auto"  # decode attention: triton | torch | auto (triton on CUDA, torch elsewhere)
+SAMPLER = "auto"  # triton (Gumbel-max kernel; temperature only) | torch (any top-k/top-p) | auto: triton if it can
+COMPILE = True  # on CUDA: torch.compile the decode forward (fuses norms, RoPE, MLP; attention stays ours)
+BLOCK_N = 64  # keys per block in the split kernel
+NUM_WARPS, NUM_STAGES = 4, 3  # the split kernel's launch
+SPLIT_WAVES = 2  # key splits: enough (slot, K/V head, split) programs to fill the GPU this many times over
+LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl (read by tests and benchmark)
+
+# ----------------------------------------------------------------------------------------------------------------
+# decode attention: Triton split-K kernel, merge kernel, torch reference
+
+
+@triton.jit
+def _softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale):
+    """one online-softmax step of (QPK_PAD, D) queries over a (BLOCK_N, D) block of keys/values (log2 units)"""
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # (QPK_PAD, BLOCK_N)
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # every block has a valid key, so m_new is finite
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_ptr, rows_ptr, done_ptr, start_ptr,
+                         slot_ptr, o_ptr, lse_ptr, out_ptr, G, P, qk_scale,
+                         stride_qn, stride_qh, stride_nn, stride_nh,
+                         stride_pb, stride_ph, stride_pl, stride_cn, stride_ch, stride_cl,
+                         QPK: tl.constexpr, QPK_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         SPLITS: tl.constexpr):
+    """program (slot, kv head, split): the QPK query heads of one K/V head against one contiguous range [lo, hi) of
+    the row's keys, numbered [prompt's real columns | completion columns 0..t]; t = slot_ptr[0] is this step's
+    column. The split that owns column t first stores this step's K/V there (knew/vnew)."""
+    pid_n, pid_h, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = tl.load(rows_ptr + pid_n).to(tl.int64)
+    b = row // G
+    n_pre = P - tl.load(start_ptr + b)  # the prompt's real (unpadded) columns
+    t = tl.load(slot_ptr)
+    total = n_pre + t + 1
+    per = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N  # keys per split, whole blocks
+    lo = pid_s * per
+    hi = tl.minimum(lo + per, total)
+    hi = tl.where(tl.load(done_ptr + pid_n) != 0, lo, hi)  # a finished row attends nothing (output 0)
+    offs_d = tl.arange(0, D)
+    offs_q = tl.arange(0, QPK_PAD)
+    heads = pid_h * QPK + offs_q
+    q_ok = offs_q < QPK
+    q = tl.load(q_ptr + pid_n * stride_qn + heads[:, None] * stride_qh + offs_d[None, :], mask=q_ok[:, None], other=0.)
+    c_off = row * stride_cn + pid_h * stride_ch
+    if (hi == total) & (lo < hi):  # write this step's K/V into the cache, then read it back like any column
+        tl.store(ck_ptr + c_off + t * stride_cl + offs_d, tl.load(knew_ptr + pid_n * stride_nn + pid_h * stride_nh +
+                                                                  offs_d))
+        tl.store(cv_ptr + c_off + t * stride_cl + offs_d, tl.load(vnew_ptr + pid_n * stride_nn + pid_h * stride_nh +
+                                                                  offs_d))
+        tl.debug_barrier()  # the block's stores are visible to its own loads after the barrier
+    m_i = tl.full([QPK_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([QPK_PAD], tl.float32)
+    acc = tl.zeros([QPK_PAD, D], tl.float32)
+    # keys [lo, hi) in the prompt: columns P - n_pre + j of the shared prefix (b, kvh)
+    p_base = b * stride_pb + pid_h * stride_ph + (P - n_pre) * stride_pl
+    hi_pre = tl.minimum(hi, n_pre)
+    for j0 in range(lo, hi_pre, BLOCK_N):
+        offs_j = j0 + tl.arange(0, BLOCK_N)
+        valid = offs_j < hi_pre
+        ptrs = p_base + offs_j[:, None] * stride_pl + offs_d[None, :]
+        k = tl.load(pk_ptr + ptrs, mask=valid[:, None], other=0.)
+        v = tl.load(pv_ptr + ptrs, mask=valid[:, None], other=0.)
+        m_i, l_i, acc = _softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale)
+    # keys [lo, hi) in the completion: columns j - n_pre of this row's cache
+    hi_c = hi - n_pre
+    for j0 in range(tl.maximum(lo - n_pre, 0), hi_c, BLOCK_N):
+        offs_j = j0 + tl.arange(0, BLOCK_N)
+        valid = offs_j < hi_c
+        ptrs = c_off + offs_j[:, None] * stride_cl + offs_d[None, :]
+        k = tl.load(ck_ptr + ptrs, mask=valid[:, None], other=0.)
+        v = tl.load(cv_ptr + ptrs, mask=valid[:, None], other=0.)
+        m_i, l_i, acc = _softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale)
+    l_safe = tl.where(l_i > 0, l_i, 1.)
+    nh = pid_n * (QPK * tl.num_programs(1)) + heads  # flat (slot, head)
+    if SPLITS == 1:  # the only split: write the output itself, (n, 1, h, D)
+        tl.store(out_ptr + nh[:, None] * D + offs_d[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=q_ok[:, None])
+    else:
+        tl.store(o_ptr + (nh * SPLITS + pid_s)[:, None] * D + offs_d[None, :], acc / l_safe[:, None],
+                 mask=q_ok[:, None])
+        tl.store(lse_ptr + nh * SPLITS + pid_s, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=q_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr):
+    """program (slot*h + head): merge the SPLITS partial outputs by their log-sum-exp (log2 units)"""
+    pid = tl.program_id(0)
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, D)
+    lse = tl.load(lse_ptr + pid * SPLITS + offs_s)
+    m = tl.max(lse, 0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(m > float("-inf"), m, 0.)), 0.)  # (SPLITS,)
+    o = tl.load(o_ptr + (pid * SPLITS + offs_s)[:, None] * D + offs_d[None, :])
+    den = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(den > 0, den, 1.)
+    tl.store(out_ptr + pid * D + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_attention_triton(q, k_new, v_new, layer, st, scale):
+    """q (n, h, 1, D), k_new/v_new (n, kvh, 1, D) -> (n, 1, h, D); writes k_new/v_new into the cache at st.slot"""
+    n, h, _, D = q.shape
+    kvh = k_new.shape[1]
+    pk, pv, ck, cv = layer
+    assert q.stride(-1) == k_new.stride(-1) == pk.stride(-1) == ck.stride(-1) == 1 and pk.stride() == pv.stride() \
+        and ck.stride() == cv.stride() and k_new.stride()[:2] == v_new.stride()[:2]
+    S = st.splits
+    out = torch.empty(n, 1, h, D, dtype=q.dtype, device=q.device)
+    o = torch.empty(n, h, S, D, dtype=torch.float32, device=q.device) if S > 1 else out
+    lse = torch.empty(n, h, S, dtype=torch.float32, device=q.device) if S > 1 else out
+    QPK = h // kvh
+    _decode_split_kernel[(n, kvh, S)](
+        q, k_new, v_new, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot, o, lse, out, st.G, pk.shape[2],
+        scale * 1.4426950408889634, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
+        pk.stride(0), pk.stride(1), pk.stride(2), ck.stride(0), ck.stride(1), ck.stride(2),
+        QPK=QPK, QPK_PAD=max(16, triton.next_power_of_2(QPK)), D=D, BLOCK_N=BLOCK_N, SPLITS=S,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if S > 1:
+        _decode_merge_kernel[(n * h,)](o, lse, out, D=D, SPLITS=S, num_warps=1)
+    return out
+
+
+def decode_attention_torch(q, k_new, v_new, layer, st, scale):
+    """reference (and the CPU path): the same function with plain torch ops, reading the whole cache under a mask"""
+    pk, pv, ck, cv = layer
+    rows, t = st.rows, st.slot  # (n,), (1,)
+    ck[rows, :, t] = k_new[:, :, 0]  # (n, kvh, D) into column t of each slot's row
+    cv[rows, :, t] = v_new[:, :, 0]
+    b = rows // st.G
+    keys = torch.cat([pk[b], ck[rows]], dim=2)  # (n, kvh, P+T, D)
+    values = torch.cat([pv[b], cv[rows]], dim=2)
+    P, cols = pk.shape[2], torch.arange(keys.shape[2], device=q.device)
+    ok = torch.where(cols < P, cols >= st.start[b][:, None], cols - P <= t)  # (n, P+T)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, keys, values, attn_mask=ok[:, None, None, :], scale=scale, enable_gqa=True)  # (n, h, 1, D)
+    return out.masked_fill(st.done[:, None, None, None], 0).transpose(1, 2)  # (n, 1, h, D), finished rows 0
+
+
+DECODE_STATE = []  # the decode state of the step being run (or captured): caches, slot -> row map, column
+
+
+@torch.compiler.disable  # under COMPILE the launches stay as they are (the CUDA graph captures them anyway)
+def decode_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers attention function for a decode step, registered as "nanogrpo_decode": key/value are this step's
+    K/V (n, kvh, 1, D) after RoPE, the caches and the slot -> row map come from DECODE_STATE (set by decode_step; a
+    global rather than a forward argument, so that torch.compile never sees, guards on or re-traces it).
+    attention_mask is None: transformers builds no mask for an attention it does not know."""
+    st = DECODE_STATE[-1]
+    fn = decode_attention_triton if st.impl == "triton" else decode_attention_torch
+    return fn(query, key, value, st.layers[module.layer_idx], st, scaling), None
+
+
+AttentionInterface.register("nanogrpo_decode", decode_attention)
+
+
+@contextlib.contextmanager
+def decode_step(model, st):
+    """inside, the model's attention is "nanogrpo_decode" on state st (HF reads config._attn_implementation at
+    every forward)"""
+    impl = model.config._attn_implementation
+    model.config._attn_implementation = "nanogrpo_decode"
+    DECODE_STATE.append(st)
+    try:
+        yield
+    finally:
+        DECODE_STATE.pop()
+        model.config._attn_implementation = impl
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sampling, graphs, fallback
+
+
+def make_warpers(temperature, top_p, top_k):
+    """HF generate's order: temperature, top-k, top-p; None means greedy"""
+    if temperature == 0:
+        return None
+    warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
+    warpers += [TopKLogitsWarper(top_k)] if top_k > 0 else []
+    return warpers + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])
+
+
+def sample(logits, warpers):
+    """(n, V) logits -> (n,) tokens with torch ops (any warpers). Exponential race: argmax_k p_k / E_k with E_k ~
+    Exp(1) iid picks k with probability p_k (the minimum of independent Exp(p_k)), with no host sync. E is clamped
+    away from 0, where a token of probability 0 would tie."""
+    if warpers is None:
+        return logits.argmax(-1)
+    logits = logits.float()
+    for w in warpers:
+        logits = w(None, logits)
+    probs = torch.softmax(logits, dim=-1)
+    return (probs / torch.empty_like(probs).exponential_().clamp_min_(1e-30)).argmax(-1)
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, best_ptr, best_k_ptr, seed_ptr, V, stride_n, inv_temp, CHUNK, BLOCK_V: tl.constexpr):
+    """program (row, chunk): over the chunk's vocabulary ids k, the max of logits[k] / T + g_k and its k, where
+    g_k = -log(-log u_k), u_k ~ U(0, 1) iid; the argmax over all k (Gumbel-max) is an exact draw from
+    softmax(logits / T), made in one read of the logits (the torch path reads and writes an fp32 (n, V) copy about
+    six times). u comes from Philox(seed, row * V + k); seed_ptr[0] changes every step."""
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    seed = tl.load(seed_ptr)
+    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_k = tl.zeros([BLOCK_V], tl.int64)
+    for v0 in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, V), BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        ok = offs < tl.minimum(chunk * CHUNK + CHUNK, V)
+        z = tl.load(logits_ptr + row * stride_n + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_temp
+        u = tl.rand(seed, row * V + offs)  # [0, 1): u = 0 gives -inf, never picked
+        z = z - tl.log(-tl.log(u))
+        better = z > best
+        best = tl.where(better, z, best)
+        best_k = tl.where(better, offs.to(tl.int64), best_k)
+    i = tl.argmax(best, 0)
+    out = row * tl.num_programs(1) + chunk
+    tl.store(best_ptr + out, tl.max(best, 0))
+    tl.store(best_k_ptr + out, tl.sum(tl.where(tl.arange(0, BLOCK_V) == i, best_k, 0), 0))
+
+
+def sample_triton(logits, seed, temperature):
+    """(n, V) logits (any float dtype) -> (n,) tokens drawn from softmax(logits / temperature); seed (1,) int64 on the
+    device, advanced by one per call (inside a CUDA graph too). The vocabulary is split into chunks so that a few
+    rows still fill the GPU: (n, chunks) partial maxima, then their argmax."""
+    n, V = logits.shape
+    BLOCK_V = 2048
+    sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 1
+    chunks = max(1, min(triton.cdiv(V, BLOCK_V), triton.cdiv(2 * sms, n)))
+    chunk = triton.cdiv(triton.cdiv(V, chunks), BLOCK_V) * BLOCK_V
+    chunks = triton.cdiv(V, chunk)
+    best = torch.empty(n, chunks, dtype=torch.float32, device=logits.device)
+    best_k = torch.empty(n, chunks, dtype=torch.long, device=logits.device)
+    _sample_kernel[(n, chunks)](logits, best, best_k, seed, V, logits.stride(0), 1.0 / temperature, chunk,
+                                BLOCK_V=BLOCK_V, num_warps=8)
+    seed.add_(1)
+    return best_k.gather(1, best.argmax(1, keepdim=True)).squeeze(1)
+
+
+CAPTURE = {}  # device index -> [side stream, latest decode graph], reused by the next capture (see graphed)
+
+
+def graphed(fn, warmup):
+    """fn() captured as a CUDA graph: returns replay(). warmup() runs first on the side stream (lazy cuBLAS/Triton
+    setup must not happen inside a capture) and must leave no state behind that the real step would not overwrite.
+    capture_begin/end rather than `with torch.cuda.graph()`: that one empties the allocator's cache before every
+    capture, so the training step after each generation re-allocated its whole working set (+15% update time in the
+    trainer). One side stream and one memory pool per device, reused by every capture: the caching allocator keeps
+    freed blocks per stream, so a new stream per call stranded the warm-up's memory (+0.75 GiB reserved per call).
+    Graphs that share a pool must not run concurrently: ours run one after another (bucket after bucket)."""
+    dev = torch.cuda.current_device()
+    if dev not in CAPTURE:
+        CAPTURE[dev] = [torch.cuda.Stream(), None]
+    side, prev = CAPTURE[dev]
+    graph = torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        warmup()
+        graph.capture_begin(*(() if prev is None else (prev.pool(),)))
+        try:
+            fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    CAPTURE[dev][1] = graph  # the previous graph is freed when its caller drops it; the pool lives on in this one
+    return graph.replay
+
+
+@torch.no_grad()
+def hf_generate_groups(model, prompt_ids, prompt_mask, G, max_new_tokens, temperature, top_p, top_k, eos, pad):
+    """generate_groups' fallback for models its decode cannot handle: model.generate, same output format"""
+    if temperature > 0:
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, num_return_sequences=G)
+    else:  # greedy: the G rows of a group are equal; HF refuses num_return_sequences > 1 without sampling
+        sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    was_training = model.training
+    model.eval()
+    try:
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
+                             eos_token_id=eos.tolist(), pad_token_id=pad, **sampling)
+    finally:
+        model.train(was_training)
+    ids = out[:, prompt_ids.shape[1]:]  # (B*G, T), rows b*G + g
+    ids = ids.repeat_interleave(G, 0) if temperature == 0 else ids
+    is_eos = torch.isin(ids, eos)
+    ended = is_eos.long().cumsum(1)
+    keep = ((ended == 0) | ((ended == 1) & is_eos)).long()  # up to and including the first EOS
+    n = int(keep.sum(1).max())
+    return ids[:, :n].masked_fill(keep[:, :n] == 0, pad), keep[:, :n]
+
+
+def model_forward(model, tok, pos):
+    """one decode step's logits (n, V) for tokens tok (n, 1) at positions pos (n, 1)"""
+    out = model(input_ids=tok, position_ids=pos, use_cache=False, logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+COMPILED = {}
+
+
+def compiled_forward():
+    """model_forward through torch.compile, once per process, with dynamic shapes: the slot count changes from
+    bucket to bucket, and the attention's graph break starts a new frame per layer whose inputs mark_dynamic would
+    not reach, so static shapes would recompile every layer's frame at every new bucket size"""
+    return COMPILED.setdefault("forward", torch.compile(model_forward, dynamic=True))
+
+
+def num_splits(n, kvh, device):
+    """key splits per (slot, K/V head): enough programs to fill the GPU about four times over"""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(64, triton.next_power_of_2(math.ceil(SPLIT_WAVES * sms / (n * kvh)))))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# generate_groups
+
+
+@torch.no_grad()
+def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
+                    top_k=0, eos_token_id=None, pad_token_id=None):
+    """G completions per prompt, (B*G, C) right-padded ids and mask (1 up to and including EOS), row = b*G + g.
+    C <= max_new_tokens: the longest row. Greedy when temperature=0. eos_token_id: int, list, or () for none."""
+    if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
+        raise ValueError("prompt_ids and prompt_mask must both be (B, P)")
+    if not bool((prompt_mask[:, -1] == 1).all()):
+        raise ValueError("prompts must be left-padded (last column real); use tokenizer.padding_side='left'")
+    if group_size < 1 or max_new_tokens < 1 or temperature < 0:
+        raise ValueError("need group_size >= 1, max_new_tokens >= 1, temperature >= 0")
+    eos_token_id = model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+    if eos_token_id is None:
+        raise ValueError("pass eos_token_id (int, list of ints, or () for none)")
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), dtype=torch.long,
+                       device=prompt_ids.device)
+    if pad_token_id is None and len(eos) == 0:
+        raise ValueError("pass pad_token_id when there is no eos_token_id")
+    pad = int(eos[0]) if pad_token_id is None else pad_token_id
+    impl = model.config._attn_implementation
+    why = reuse_unsupported(model) or (impl not in ("sdpa", "eager") and
+                                       f"attn_implementation {impl!r} is not 'sdpa' or 'eager'")
+    if why:  # the decode attention assumes full attention everywhere (no sliding window)
+        warnings.warn(f"rollout.generate_groups: {why}; sampling with model.generate")
+        return hf_generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature, top_p,
+                                  top_k, eos, pad)
+    warpers = make_warpers(temperature, top_p, top_k)
+    prompt_ids, prompt_mask = trim_left_padding(prompt_ids, prompt_mask.long())
+    (B, P), G, dev = prompt_ids.shape, group_size, prompt_ids.device
+    N, T = B * G, max_new_tokens
+    attn_impl = ("triton" if dev.type == "cuda" else "torch") if ATTENTION == "auto" else ATTENTION
+    graph = CUDA_GRAPH and dev.type == "cuda"
+    compiled = COMPILE and dev.type == "cuda"
+    was_training = model.training
+    model.eval()  # no dropout, no checkpointing while sampling
+    try:
+        # 1) prefill each prompt once; its K/V (B, kvh, P, D) per layer are the shared prefix of its G rows
+        pos = positions(prompt_mask)  # (B, P)
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        prefix = [(l.keys.contiguous(), l.values.contiguous()) for l in cache.layers]  # one layout for K and V
+        ids = torch.full((N, T), pad, dtype=torch.long, device=dev)  # (B*G, T) every sampled token lands here
+        keep = torch.zeros(N, T, dtype=torch.bool, device=dev)
+        if temperature > 0 and top_k == 0 and top_p >= 1 and (SAMPLER == "triton" or (SAMPLER == "auto" and
+                                                                                    dev.type == "cuda")):
+            seed = torch.randint(2**62, (1,), device=dev)  # from torch's generator: reproducible under manual_seed
+            draw = lambda logits: sample_triton(logits, seed, temperature)
+        else:
+            draw = lambda logits: sample(logits, warpers)
+        tok = draw(out.logits[:, -1].repeat_interleave(G, 0))  # token 0 of every row, (B*G,)
+        ids[:, 0], keep[:, 0] = tok, True
+        is_eos = torch.zeros(out.logits.shape[-1], dtype=torch.bool, device=dev)  # (V,) a lookup: torch.isin syncs
+        is_eos[eos[eos < is_eos.numel()]] = True
+        done = is_eos[tok]
+        del out, cache
+        # 2) decode tokens 1..T-1. Step s feeds token s-1 at completion column s-1 (the cache never holds the last)
+        #    completion cache (B*G, kvh, T-1, D) per layer; zeros: the torch path reads it whole under a mask
+        layers = [(k, v, k.new_zeros(N, k.shape[1], max(T - 1, 1), k.shape[3]),
+                   v.new_zeros(N, v.shape[1], max(T - 1, 1), v.shape[3])) for k, v in prefix]
+        start = (P - prompt_mask.sum(1)).to(torch.int32)  # (B,) first real prompt column
+        slot = torch.zeros(1, dtype=torch.long, device=dev)  # completion column of the fed token, = step - 1
+        slots = SimpleNamespace(rows=torch.arange(N, device=dev), tok=tok[:, None].clone(),
+                                pos=pos[:, -1:].repeat_interleave(G, 0) + 1, done=done)  # (n,), (n, 1), (n, 1), (n,)
+        kvh = layers[0][0].shape[1]
+        LAST.clear()
+        LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph)
+
+        def make_step(sl):
+            st = SimpleNamespace(layers=layers, rows=sl.rows, done=sl.done, start=start, slot=slot, G=G,
+                                 impl=attn_impl, splits=num_splits(sl.rows.shape[0], kvh, dev))
+
+            def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)
+                with decode_step(model, st):
+                    return (compiled_forward() if compiled else model_forward)(model, sl.tok, sl.pos)
+
+            def step():
+                new = draw(forward()).masked_fill(sl.done, pad)  # (n,)
+                flat = sl.rows * T + slot + 1  # token index slot+1 of each slot's row
+                ids.view(-1).index_copy_(0, flat, new)
+                keep.view(-1).index_copy_(0, flat, ~sl.done)
+                sl.done |= is_eos[new]
+                sl.tok.copy_(new[:, None])
+                sl.pos.add_(1)
+                slot.add_(1)
+            return graphed(step, forward) if graph else step
+
+        step = make_step(slots)
+        s = 1
+        while s < T:
+            n, n_live = slots.rows.shape[0], int((~slots.done).sum())  # the host sync of this check
+            if n_live == 0:
+                break
+            nb = max(MIN_BUCKET, triton.next_power_of_2(n_live))
+            if nb <= n // 2 and T - s >= COMPACT_MIN_STEPS:
+                # live slots first, then finished ones to fill the bucket (their writes land in finished rows)
+                order = torch.argsort(slots.done.to(torch.int8), stable=True)[:nb]
+                slots = SimpleNamespace(rows=slots.rows[order], tok=slots.tok[order], pos=slots.pos[order],
+                                        done=slots.done[order])
+                step = make_step(slots)
+                LAST["buckets"].append(nb)
+            for _ in range(min(CHECK_EVERY, T - s)):
+                step()
+                s += 1
+        LAST["steps"] = s - 1
+    finally:
+        model.train(was_training)
+    n = int(keep.sum(1).max())  # columns after every row had finished are all padding
+    return ids[:, :n], keep[:, :n].long()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# benchmark: `python rollout.py [WORKLOAD ...]` (GPU: random-weight Qwen2.5-shaped models, bf16; CPU: a smoke run)
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+SHAPES = {"0.5B": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                       intermediate_size=4864, vocab_size=151936),
+          "1.5B": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                       intermediate_size=8960, vocab_size=151936),
+          "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=128, vocab_size=1000)}
+# name: (shape, B, G, P, new tokens, EOS). EOS "none": no token ends a row; "1/1000": every 1000th id is EOS, so on
+# a random model (near-uniform next-token distribution) lengths are about geometric with mean ~1000, capped;
+# "id 2": the trainer's one EOS id (practically unreachable on a random model)
+WORKLOADS = {"uniform": ("0.5B", 8, 16, 512, 4096, "none"), "ragged": ("0.5B", 8, 16, 512, 4096, "1/1000"),
+             "uniform-1.5B": ("1.5B", 8, 16, 512, 4096, "none"), "trainer": ("0.5B", 32, 8, 64, 64, "id 2")}
+if not CUDA:
+    WORKLOADS = {k: ("tiny", 2, 4, 16, 48, eos) for k, (_, _, _, _, _, eos) in WORKLOADS.items()}
+HF_SECONDS = 30.0  # model.generate gets this much wall time per workload (max_time); see bench_hf
+SPEC_BW = {"H100": 3.35e12, "H200": 4.8e12}  # datasheet HBM bytes/s (SXM)
+
+
+def bench_model(shape):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    config = Qwen2Config(**SHAPES[shape], tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                         rope_theta=1e6, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = None
+    return model.to(torch.bfloat16 if CUDA else torch.float32).eval()
+
+
+def copy_bandwidth():
+    """bytes/s of a large device-to-device copy, counting bytes read and written"""
+    if not CUDA:
+        return None
+    x = torch.empty(2**30, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(10):
+        y.copy_(x)
+    b.record()
+    torch.cuda.synchronize()
+    return 2 * 10 * x.numel() / (a.elapsed_time(b) / 1e3)
+
+
+def decode_bytes(model, prompt_mask, keep, G):
+    """bytes the decode steps must read, summed: every step reads each weight once (a tied embedding once, as the LM
+    head) plus the K/V of its live rows: each live row's own s columns at step s, and the prompt of every group with
+    a live row once (its G rows share it). keep (B*G, C): row r is fed at step s iff keep[r, s]."""
+    c = model.config
+    D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_tok = 2 * c.num_hidden_layers * c.num_key_value_heads * D * next(model.parameters()).element_size()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() lists a tied one once
+    live = keep[:, 1:].bool()  # (B*G, C-1): fed at steps 1..C-1
+    steps = torch.arange(1, keep.shape[1], device=keep.device)
+    own = (live * steps).sum()
+    prompts = (live.view(-1, G, live.shape[1]).any(1) * prompt_mask.sum(1, keepdim=True)).sum()
+    return float(live.any(0).sum()) * weights + float(own + prompts) * kv_tok
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def bench_ours(model, prompt_ids, G, T, eos):
+    import time
+    t0 = time.perf_counter()
+    generate_groups(model, prompt_ids, torch.ones_like(prompt_ids), G, 16, eos_token_id=eos,
+                    pad_token_id=0)  # compile the kernels (Triton specializes on P's divisibility too)
+    sync()
+    print(f"  (warm-up call: {time.perf_counter() - t0:.1f} s)", flush=True)
+    if CUDA:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    ids, keep = generate_groups(model, prompt_ids, torch.ones_like(prompt_ids), G, T, eos_token_id=eos, pad_token_id=0)
+    sync()
+    dt = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0
+    return keep, dt, peak, dict(LAST)
+
+
+def bench_hf(model, prompt_ids, G, T, eos):
+    """model.generate(num_return_sequences=G), stopped after HF_SECONDS (max_time). Its step cost grows with the
+    context (dynamic cache, K/V repeated per step), so tokens/s over a cut run is an upper bound on its full run."""
+    import time
+    kw = dict(do_sample=True, num_return_sequences=G, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0,
+              eos_token_id=list(eos) or None)
+    model.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=4, **kw)
+    sync()
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=T,
+                         max_time=HF_SECONDS, **kw)[:, prompt_ids.shape[1]:]
+    sync()
+    dt = time.perf_counter() - t0
+    is_eos = torch.isin(out, torch.tensor(list(eos), dtype=torch.long, device=out.device))
+    ended = is_eos.long().cumsum(1)
+    tokens = int(((ended == 0) | ((ended == 1) & is_eos)).sum())
+    return tokens / dt, out.shape[1] < T and not bool(is_eos.any(1).all())
+
+
+def main(names):
+    import json
+    import sys
+    import transformers
+    names = names or list(WORKLOADS)
+    dev_name = torch.cuda.get_device_name() if CUDA else "cpu"
+    copy_bw = copy_bandwidth()
+    spec_bw = next((v for k, v in SPEC_BW.items() if k in dev_name), None)
+    tbs = lambda bw: f"{bw / 1e12:.2f} TB/s" if bw else "-"
+    print(f"rollout benchmark on {dev_name}: torch {torch.__version__}, triton {triton.__version__}, transformers "
+          f"{transformers.__version__}; sampling T=1; HBM bandwidth: datasheet {tbs(spec_bw)}, a device copy "
+          f"{tbs(copy_bw)} (bytes read + written)", flush=True)
+    print("roofline: sum over decode steps of (weight bytes + live K/V bytes: each live row's own columns, each "
+          "group's prompt once) / bandwidth; tok/s = new tokens / that time. frac = measured / roofline.")
+    hdr = (f"{'workload':>13} {'model':>5} {'B':>3} {'G':>3} {'P':>5} {'T':>5} | {'tokens':>7} {'s':>6} "
+           f"{'tok/s':>8} {'ms/step':>7} | {'roof tok/s':>10} {'frac':>5} {'frac_cp':>7} | {'peak GiB':>8} | "
+           f"{'HF tok/s':>9} {'x HF':>6}  buckets")
+    print(hdr, flush=True)
+    rows, models = {}, {}
+    for name in names:
+        shape, B, G, P, T, eos_kind = WORKLOADS[name]
+        if shape not in models:
+            models.clear()
+            sync()
+            models[shape] = bench_model(shape)
+        model = models[shape]
+        V = model.config.vocab_size
+        eos = {"none": (), "1/1000": list(range(3, V, 1000)), "id 2": [2]}[eos_kind]
+        g = torch.Generator(device=DEV).manual_seed(1)
+        prompt_ids = torch.randint(3, V, (B, P), device=DEV, generator=g)
+        prompt_ids = prompt_ids.masked_fill(torch.isin(prompt_ids, torch.tensor(eos, dtype=torch.long,
+                                                                                device=DEV)), 5)
+        torch.manual_seed(2)
+        keep, dt, peak, last = bench_ours(model, prompt_ids, G, T, eos)
+        tokens = int(keep.sum())
+        byts = decode_bytes(model, torch.ones_like(prompt_ids), keep, G)
+        bw = spec_bw or copy_bw
+        roof = tokens / (byts / bw) if bw else None
+        hf, cut = bench_hf(model, prompt_ids, G, T, eos)
+        r = rows[name] = dict(model=shape, B=B, G=G, P=P, T=T, eos=eos_kind, tokens=tokens, s=dt, tok_s=tokens / dt,
+                              ms_per_step=dt / max(last["steps"], 1) * 1e3, decode_bytes=byts,
+                              roofline_tok_s=roof, frac=roof and tokens / dt / roof,
+                              frac_copy_bw=copy_bw and tokens / dt / (tokens / (byts / copy_bw)), peak_gib=peak,
+                              hf_tok_s=hf, hf_cut=cut, x_hf=tokens / dt / hf, buckets=last["buckets"],
+                              steps=last["steps"], mean_len=tokens / (B * G))
+        fmt = lambda v, f: format(v, f) if v is not None else "-"
+        print(f"{name:>13} {shape:>5} {B:>3} {G:>3} {P:>5} {T:>5} | {tokens:>7} {dt:>6.2f} {r['tok_s']:>8.0f} "
+              f"{r['ms_per_step']:>7.2f} | {fmt(roof, '>10.0f')} {fmt(r['frac'], '>5.2f')} "
+              f"{fmt(r['frac_copy_bw'], '>7.2f')} | {peak:>8.2f} | {hf:>9.0f}{'*' if cut else ' '} "
+              f"{r['x_hf']:>5.1f}x  {last['buckets']}", flush=True)
+    if "uniform" in rows and "ragged" in rows:
+        u, g = rows["uniform"], rows["ragged"]
+        roof = f"{g['roofline_tok_s'] / u['roofline_tok_s']:.2f}" if u["roofline_tok_s"] else "-"
+        print(f"ragged efficiency = ragged tok/s / uniform tok/s = {g['tok_s'] / u['tok_s']:.2f} (the same ratio of "
+              f"their rooflines: {roof}); ragged mean length {g['mean_len']:.0f}, {g['steps']} steps")
+    print("* model.generate stopped after HF_SECONDS: its tok/s over the cut run is an upper bound on its full run")
+    print(json.dumps(dict(device=dev_name, torch=torch.__version__, triton=triton.__version__,
+                          transformers=transformers.__version__, copy_bw=copy_bw, spec_bw=spec_bw, rows=rows)))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    import sys
+    main(sys.argv[1:])
