@@ -541,6 +541,31 @@ def test_kv_bad_inputs_and_unsupported_models():
         assert ids[r, :n].tolist() == want and (ids[r, n:] == 0).all(), f"fallback row {r}: {ids[r].tolist()} {want}"
 
 
+@check
+@_kv_one_thread
+def test_kv_autocast_fp32_weights_matches_bf16():
+    """completion_hidden under torch.autocast(bf16) with float32 weights (another trainer's mixed precision): the
+    lower-right path got q/k float32 (RoPE) and v bf16 in SDPA. Its log-probs match a bf16 model's without autocast
+    within bf16 noise (measured ~2e-3), and reuse gradients match the full path's under autocast"""
+    import copy
+    import kv_reuse
+    G = 3
+    for arch in ("llama",):
+        model = _kv_model(arch)
+        bf16 = copy.deepcopy(model).to(torch.bfloat16)
+        for lens in ((7, 1, 4), (7, 7, 7)):  # padded prompts (HF sdpa) and none (lower-right CausalBias)
+            batch = _kv_batch(G=G, prompt_lens=lens, seed=11)
+            with torch.no_grad():
+                want = _kv_logp(bf16, kv_reuse.completion_hidden(bf16, *batch, G), batch[2]) * batch[3]
+            got = {}
+            for reuse in (False, True):
+                with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                    got[reuse] = _kv_loss_and_grads(model, batch, G, reuse)
+                assert_close(got[reuse][0], want, 1e-2, f"{arch} {lens} reuse={reuse} autocast vs bf16")
+            for n, g in got[False][1].items():
+                assert_close(got[True][1][n], g, 2e-2, f"{arch} {lens} autocast grad {n}")
+
+
 def _kv_generate_reference(model, prompt_ids, prompt_mask, max_new_tokens, eos):
     """model.generate greedy on each prompt alone (unpadded), row by row"""
     rows = []
