@@ -919,20 +919,144 @@ def test_grpo_config_errors_and_types():
 
 @check
 def test_grpo_rewards_verify_answers():
-    import grpo
-    r = grpo.arithmetic_reward
+    import tasks
+    r = tasks.arithmetic_reward
     assert r("12 + 5 = 17. The answer is 17.", 17) == (1.0, True)
     assert r("The answer is 16. No wait, the answer is: -3", -3) == (1.0, True)  # the last one counts
     assert r("The answer is 16.", 17) == (0.1, False)  # format only
     assert r("12 + 5 = 17", 17) == (0.0, False)
-    c = grpo.countdown_reward
+    c = tasks.countdown_reward
     assert c("The answer is (3 + 5) * 2.", ((2, 3, 5), 16)) == (1.0, True)
     assert c("The answer is 3 * 5 + 2", ((2, 3, 5), 17)) == (1.0, True)
     assert c("The answer is 3 + 5", ((2, 3, 5), 8)) == (0.1, False)  # must use every number
     assert c("The answer is __import__('os')", ((2, 3, 5), 8)) == (0.0, False)
-    assert c("The answer is 2 ** 3 * 5", ((2, 3, 5), 40)) == (0.1, False)  # no power operator (9**9**9 hangs)
-    for prompts in (grpo.arithmetic_prompts, grpo.countdown_prompts):
+    assert c("The answer is 2 ** 3 * 5", ((2, 3, 5), 40)) == (0.0, False)  # no power operator: not an answer
+    assert c("The answer is 20 / 5 * 3", ((3, 5, 20), 12)) == (1.0, True)  # exact division
+    assert c("The answer is 3 - 5", ((3, 5), 2)) == (0.1, False)  # a wrong value: the format's 0.1
+    for prompts in (tasks.arithmetic_prompts, tasks.countdown_prompts):
         assert prompts(5, 3, 2) == prompts(5, 3, 2) and prompts(5, 3, 2) != prompts(5, 4, 2), "seeded"
+
+
+@check
+def test_tasks_rewards_never_raise_on_hostile_strings():
+    """rewards run on whatever the policy writes: a run of 3000 unary minus signs (RecursionError in eval), 9**9**9
+    (would never return), a 5000-digit number (int() raises past 4300 digits) all score 0, quickly"""
+    import random
+    from fractions import Fraction
+    import tasks
+    nums = ((2, 3, 5), 16)
+    hostile = ["-" * 3000 + "(3 + 5) * 2", "- " * 60 + "(3 + 5) * 2", "9**9**9", "1" * 5000, "(" * 500 + "2" + ")" * 500,
+               "99999999 * 99999999 * 99999999 * 99999999", "(3 + 5) / 0 * 2", "3 + 5 * 2 ("]
+    t0 = time.time()
+    for s in hostile:
+        assert tasks.countdown_reward("The answer is " + s, nums) == (0.0, False), s[:40]
+        assert tasks.arithmetic_reward("The answer is " + s, 16)[1] is False, s[:40]
+    assert tasks.arithmetic_reward("The answer is " + "1" * 5000, 16) == (0.0, False)
+    assert tasks.arithmetic_reward("The answer is 1,234", 1234) == (1.0, True)
+    assert tasks.safe_eval("(3 + 5) * 2") == 16 and tasks.safe_eval("7 / 2") == Fraction(7, 2)
+    assert tasks.safe_eval("--3") == 3 and tasks.safe_eval("2 ** 3") is None and tasks.safe_eval("x") is None
+    assert tasks.parse_int("-1,234") == -1234 and tasks.parse_int("1" * 21) is None
+    rng = random.Random(0)  # and no string of the characters the answer regex admits ever raises
+    for _ in range(2000):
+        s = "".join(rng.choice("0123456789+-*/() ") for _ in range(rng.randint(1, 300)))
+        tasks.countdown_reward("The answer is " + s, nums)
+        tasks.arithmetic_reward("The answer is " + s, 16)
+    assert time.time() - t0 < 5, f"{time.time() - t0:.1f}s"
+
+
+@check
+def test_grpo_reward_that_raises_scores_zero_and_is_counted():
+    """a user reward that raises on some completions: those score 0, the run goes on, each step logs
+    reward_errors, and the traceback is printed once"""
+    import contextlib
+    import io
+    import tempfile
+    import grpo
+    prompts, reward = grpo.TASKS["arithmetic"]
+
+    def flaky(text, target):
+        if len(text) % 2:
+            raise KeyError("flaky reward")
+        return float("nan") if len(text) % 4 == 2 else 1.0, False  # a NaN reward counts as a failure too
+    grpo.TASKS["arithmetic"] = (prompts, flaky)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            res = grpo.train(_train_args(tempfile.mkdtemp(), 2, "--temperature=2.0", "--eval_every=0"))
+    finally:
+        grpo.TASKS["arithmetic"] = (prompts, reward)
+    steps = [r for r in res.records if "reward_errors" in r]
+    assert [r["step"] for r in steps] == [1, 2] and sum(r["reward_errors"] for r in steps) > 0, steps
+    assert all(0 <= r["reward_mean"] <= 1 for r in steps)
+    assert err.getvalue().count("Traceback") == 1 and "flaky reward" in err.getvalue(), err.getvalue()[-2000:]
+
+
+@check
+def test_grpo_config_checked_before_anything_loads():
+    """every config key has a check; each bad value is refused by name, value and range, all in one error, before
+    out_dir is created or a model is looked up (a missing local path never reaches the hub)"""
+    import shutil
+    import tempfile
+    import grpo
+    import tasks
+    covered = set(grpo.CHOICES) | set(grpo.RANGES) | set(grpo.FREE_KEYS)
+    assert set(grpo.CONFIG_KEYS) <= covered, f"config keys without a check: {set(grpo.CONFIG_KEYS) - covered}"
+    bad = {"lr": ("-1e-5", "finite and > 0"), "epsilon": ("-0.2", "[0, 1]"), "epsilon_high": ("-0.1", ">= 0"),
+           "beta": ("-0.1", ">= 0"), "top_p": ("0", "(0, 1]"), "temperature": ("0", "> 0"),
+           "prompts_per_step": ("0", ">= 1"), "num_iterations": ("0", ">= 1"), "max_steps": ("0", ">= 1"),
+           "max_completion_len": ("0", ">= 1"), "group_size": ("1", ">= 2"), "eval_size": ("0", ">= 1"),
+           "grad_clip": ("1e999", "finite"), "loss_type": ("ppo", "one of"), "seed": ("-1", "[0, 2**32)")}
+    out = os.path.join(tempfile.mkdtemp(), "never_made")
+    args = [f"--{k}={v}" for k, (v, _) in bad.items()] + [f"--out_dir={out}", "--model=./no/such/model_dir"]
+    t0 = time.time()
+    try:
+        grpo.train(args)
+        raise AssertionError("bad config accepted")
+    except ValueError as e:
+        msg = str(e)
+    assert time.time() - t0 < 5, "the missing model path went to the hub"
+    for k, (v, why) in bad.items():
+        line = next((l for l in msg.splitlines() if l.strip().startswith(f"--{k}=")), "")
+        assert why in line and str(grpo.parse_config([f"--{k}={v}"]).__dict__[k]) in line, (k, msg)
+    assert "no such directory" in msg and not os.path.exists(out), msg
+    cfg = lambda *a: grpo.resolve(grpo.parse_config(list(a)))  # noqa: E731
+    assert_raises(ValueError, lambda: cfg("--task=countdown", "--difficulty=30"), "--difficulty=30: countdown "
+                  f"samples difficulty 1..{tasks.MAX_DIFFICULTY['countdown']}")
+    t0 = time.time()  # the generator itself is bounded: at difficulty 30 it used to run for hours
+    assert_raises(ValueError, lambda: tasks.countdown_prompts(5, 0, 30), "difficulty")
+    assert time.time() - t0 < 5
+    assert_raises(ValueError, lambda: cfg("--resume=True", "--overwrite=True"), "not both")
+    if not GPU:
+        assert_raises(ValueError, lambda: cfg("--device=cuda"), "--device=auto or --device=cpu")
+    no_tok = tempfile.mkdtemp()  # a model directory without its tokenizer files
+    for f in os.listdir(_tiny_model_dir()):
+        if f.startswith(("config", "model", "generation")):
+            shutil.copy(os.path.join(_tiny_model_dir(), f), no_tok)
+    assert_raises(ValueError, lambda: cfg(f"--model={no_tok}"), "no tokenizer files")
+    assert_raises(ValueError, lambda: cfg(f"--model={tempfile.mkdtemp()}"), "no config.json")
+    cfg(f"--model={_tiny_model_dir()}", "--device=cpu")  # the real one passes
+
+
+@check
+def test_grpo_train_prompts_never_run_dry():
+    """prompts_per_step=1 with 1-digit arithmetic (100 of its 200 questions held out): the one-draw source died at
+    step 11 (and at step 11 again on every resume). The stream is endless, skips the held-out set, and depends on
+    (seed, step) alone; where the first draw sufficed it gives what it gave before"""
+    import grpo
+    make = grpo.TASKS["arithmetic"][0]
+    held = {q for q, _ in grpo.held_out_set(make, 100, 1)}
+    for n in (1, 2, 32):
+        for step in range(1, 41):
+            seed = 1337 * 100_003 + step
+            got = grpo.train_prompts(make, n, seed, 1, held)
+            assert len(got) == n and not {q for q, _ in got} & held, (n, step)
+            assert got == grpo.train_prompts(make, n, seed, 1, held)
+            first = [p for p in make(4 * n, seed, 1) if p[0] not in held]
+            if len(first) >= n:
+                assert got == first[:n], "the first draw changed"
+    assert_raises(ValueError, lambda: grpo.check_training_pool(
+        make, 1, 1, {q for q, _ in grpo.held_out_set(make, 200, 1)}), "lower --eval_size")
+
 
 # ----------------------------------------------------------------------------------------------------------------
 
