@@ -328,21 +328,30 @@ def resolve_model_path(name, gdir):
     return os.path.expanduser(name)  # a local HF directory (check_model looked at it) or a hub id
 
 
-def loaded(what, path, files, load):
-    """load(), or a ValueError that names the directory and the files it read (a cut safetensors or tokenizer.json
-    otherwise surfaces as a bare parser error)"""
+def loaded(what, path, load):
+    """load(), or a ValueError naming the file that does not parse (a cut safetensors or tokenizer.json otherwise
+    surfaces as a bare parser error, with no file name)"""
     try:
         return load()
-    except Exception as e:  # noqa: BLE001 - re-raised with the names
-        have = [f for pat in files for f in sorted(glob.glob(os.path.join(path, pat)))] if os.path.isdir(path) else []
-        raise ValueError(f"could not load the {what} from {path} (files: {', '.join(have) or 'none found'}): "
-                         f"{type(e).__name__}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - re-raised with the file's name
+        why = f"{type(e).__name__}: {e}"
+        for f in sorted(glob.glob(os.path.join(path, "*.json")) + glob.glob(os.path.join(path, "*.safetensors"))):
+            try:
+                if f.endswith(".json"):
+                    with open(f) as fh:
+                        json.load(fh)
+                else:
+                    from safetensors import safe_open
+                    safe_open(f, "pt").keys()  # reads the header only
+            except Exception as e2:  # noqa: BLE001
+                why = f"{f} is corrupt ({type(e2).__name__}: {e2})"
+                break
+        raise ValueError(f"could not load the {what} from {path}: {why}") from e
 
 
 def load_tokenizer(path):
     from transformers import AutoTokenizer
-    tok = loaded("tokenizer", path, TOKENIZER_FILES + ("tokenizer_config.json",),
-                 lambda: AutoTokenizer.from_pretrained(path))
+    tok = loaded("tokenizer", path, lambda: AutoTokenizer.from_pretrained(path))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -350,8 +359,7 @@ def load_tokenizer(path):
 
 def load_model(path, dev):
     from transformers import AutoModelForCausalLM
-    return loaded("model", path, ("config.json", "*.safetensors", "*.bin"),
-                  lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).to(dev)
+    return loaded("model", path, lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).to(dev)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -476,7 +484,7 @@ def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
 
 def read_trainer_state(ckpt):
     path = os.path.join(ckpt, "trainer_state.pt")
-    return loaded("trainer state", ckpt, ("trainer_state.pt",), lambda: torch.load(path, weights_only=False))
+    return loaded("trainer state", path, lambda: torch.load(path, weights_only=False))
 
 
 def check_resume_config(saved, cfg):

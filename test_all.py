@@ -1058,6 +1058,151 @@ def test_grpo_train_prompts_never_run_dry():
         make, 1, 1, {q for q, _ in grpo.held_out_set(make, 200, 1)}), "lower --eval_size")
 
 
+
+def _run_dir(steps=1, *extra):
+    """a finished tiny run (its out_dir), copied fresh for each use from one cached run per (steps, extra)"""
+    import shutil
+    import tempfile
+    key = ("run", steps, extra)
+    if key not in _TINY:
+        _TINY[key] = tempfile.mkdtemp(prefix="nanogrpo_run_")
+        _quiet_train(_train_args(_TINY[key], steps, "--eval_every=0", *extra))
+    out = tempfile.mkdtemp(prefix="nanogrpo_copy_")
+    shutil.rmtree(out)
+    shutil.copytree(_TINY[key], out)
+    return out
+
+
+def _train_output(args):
+    """(result or the exception, stdout + stderr) of grpo.train"""
+    import contextlib
+    import io
+    import grpo
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        try:
+            return grpo.train(args), buf.getvalue()
+        except Exception as e:  # noqa: BLE001 - the caller checks it
+            return e, buf.getvalue()
+
+
+@check
+def test_grpo_checkpoint_recovers_from_every_kill_point():
+    """each on-disk state a kill inside save_checkpoint can leave (or a kill inside the recovery itself) becomes one
+    plain ckpt/ holding the newest complete save; and a resume from the state that wedged every later save
+    ("Directory not empty": ckpt/ and ckpt.old/ both complete) saves and finishes"""
+    import shutil
+    import tempfile
+    import grpo
+
+    def make(out, name, tag, complete=True):
+        os.makedirs(os.path.join(out, name))
+        with open(os.path.join(out, name, "tag"), "w") as f:
+            f.write(tag)
+        if complete:
+            open(os.path.join(out, name, "trainer_state.pt"), "w").close()
+        else:  # killed mid torch.save: only the .part exists
+            open(os.path.join(out, name, "trainer_state.pt.part"), "w").close()
+
+    states = [  # (dirs present as (name, tag, complete), the tag the recovered ckpt must hold)
+        ([("ckpt", "old", True), ("ckpt.tmp", "new", False)], "old"),  # killed while writing tmp
+        ([("ckpt.tmp", "new", False)], None),  # ...during the first save: nothing to resume
+        ([("ckpt", "old", True), ("ckpt.tmp", "new", True)], "new"),  # tmp complete, before the swap
+        ([("ckpt.old", "old", True), ("ckpt.tmp", "new", True)], "new"),  # between the two renames
+        ([("ckpt", "new", True), ("ckpt.old", "old", True)], "new"),  # before ckpt.old's removal (the wedge)
+        ([("ckpt", "new", True), ("ckpt.old", "old", False)], "new"),  # during ckpt.old's removal
+        ([("ckpt", "mid", True), ("ckpt.old", "old", True), ("ckpt.tmp", "new", True)], "new"),  # in a recovery
+        ([("ckpt.old", "old", True)], "old"),
+    ]
+    for dirs, want in states:
+        out = tempfile.mkdtemp()
+        for d in dirs:
+            make(out, *d)
+        got = grpo.recover_checkpoint(out)
+        left = sorted(os.listdir(out))
+        assert left == ([] if want is None else ["ckpt"]), (dirs, left)
+        if want is not None:
+            assert got == os.path.join(out, "ckpt") and open(os.path.join(got, "tag")).read() == want, dirs
+    out = _run_dir(1)  # the wedge, for real: ckpt/ (step 1) and a complete ckpt.old/ beside it
+    shutil.copytree(os.path.join(out, "ckpt"), os.path.join(out, "ckpt.old"))
+    res, log = _train_output(_train_args(out, 2, "--resume=True", "--eval_every=0"))
+    assert not isinstance(res, Exception), f"{res!r}\n{log[-1500:]}"
+    assert [r["step"] for r in res.records] == [0, 1, 2] and sorted(os.listdir(out)) == ["ckpt", "curves.png",
+                                                                                       "log.jsonl"], os.listdir(out)
+
+
+@check
+def test_grpo_resume_log_and_config_rules():
+    """resume: a cut last log line is dropped with a notice; the log rewrite is atomic; a structural change (model,
+    group_size, task, ...) is refused naming each key and both values; lr/max_steps changes pass with a notice;
+    corrupt weights, tokenizer or trainer state are named"""
+    import json
+    import shutil
+    import tempfile
+    import grpo
+    out = _run_dir(1)
+    log_path = os.path.join(out, "log.jsonl")
+    with open(log_path, "a") as f:
+        f.write('{"step": 2, "reward_me')  # killed while appending step 2
+    res, log = _train_output(_train_args(out, 2, "--resume=True", "--eval_every=0", "--lr=2e-5"))
+    assert not isinstance(res, Exception), f"{res!r}\n{log[-1500:]}"
+    assert "dropping its cut last line" in log and "resume: --lr changed from 1e-05 to 2e-05" in log, log[-1500:]
+    assert [json.loads(l)["step"] for l in open(log_path)] == [0, 1, 2]
+    before = open(log_path).read()  # a kill in the middle of the rewrite (here: a record that cannot be written)
+    assert_raises(TypeError, lambda: grpo.write_log(log_path, [{"step": 0}, {"step": object()}]), "JSON")
+    assert open(log_path).read() == before, "the log was changed by a rewrite that did not finish"
+    other = tempfile.mkdtemp()
+    for f in os.listdir(_tiny_model_dir()):
+        shutil.copy(os.path.join(_tiny_model_dir(), f), other)
+    res, log = _train_output(_train_args(out, 3, "--resume=True", "--group_size=2", f"--model={other}",
+                                         "--max_completion_len=9"))
+    assert isinstance(res, ValueError), res
+    for k, a, b in (("group_size", 4, 2), ("model", repr(_tiny_model_dir()), repr(other)), ("max_completion_len", 8, 9)):
+        assert f"--{k} was {a}, now {b}" in str(res), (k, str(res))
+    assert "loading" not in log.lower() and [json.loads(l)["step"] for l in open(log_path)] == [0, 1, 2]
+    for f, what in (("model.safetensors", "model"), ("tokenizer.json", "tokenizer"),
+                    ("trainer_state.pt", "trainer state")):
+        bad = _run_dir(1)
+        with open(os.path.join(bad, "ckpt", f), "r+b") as fh:
+            fh.truncate(40)  # cut short
+        res, _ = _train_output(_train_args(bad, 2, "--resume=True"))
+        assert isinstance(res, ValueError) and f"could not load the {what}" in str(res) and f in str(res), (f, res)
+
+
+@check
+def test_grpo_out_dir_never_overwritten_and_locked():
+    """an earlier run is refused without --resume/--overwrite (and untouched); --overwrite replaces it; a live run's
+    LOCK keeps a second run out, a dead run's LOCK (same host) is taken over, another host's is refused"""
+    import json
+    import socket
+    import subprocess
+    out = _run_dir(1)
+    before = {f: os.path.getmtime(os.path.join(out, f)) for f in ("log.jsonl", "ckpt")}
+    res, _ = _train_output(_train_args(out, 1))
+    assert isinstance(res, ValueError) and "--overwrite=True" in str(res) and "log.jsonl" in str(res), res
+    assert before == {f: os.path.getmtime(os.path.join(out, f)) for f in before} and "LOCK" not in os.listdir(out)
+    res, log = _train_output(_train_args(out, 1, "--overwrite=True", "--eval_every=0", "--save_every=0",
+                                         "--max_steps=1", "--seed=7"))
+    assert not isinstance(res, Exception), f"{res!r}\n{log[-1500:]}"
+    assert "removed the earlier run" in log and "LOCK" not in os.listdir(out)
+    lock = os.path.join(out, "LOCK")
+    with open(lock, "w") as f:  # a live run: this process
+        json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+    res, _ = _train_output(_train_args(out, 2, "--resume=True"))
+    assert isinstance(res, ValueError) and "in use by a live run" in str(res), res
+    with open(lock, "w") as f:
+        json.dump({"pid": 1, "host": "another-host"}, f)
+    res, _ = _train_output(_train_args(out, 2, "--resume=True"))
+    assert isinstance(res, ValueError) and "another-host" in str(res), res
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is gone now
+    with open(lock, "w") as f:
+        json.dump({"pid": dead.pid, "host": socket.gethostname()}, f)
+    res, log = _train_output(_train_args(out, 2, "--resume=True", "--eval_every=0", "--seed=7"))
+    assert not isinstance(res, Exception), f"{res!r}\n{log[-1500:]}"
+    assert "taking over" in log and res.records[-1]["step"] == 2 and not os.path.exists(lock)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 
 if __name__ == "__main__":
