@@ -5,8 +5,9 @@ nanoGRPO: GRPO on one GPU, read top to bottom.
     python grpo.py --task=countdown --lr=5e-6        # any config global below can be overridden as --key=value
 
 One step = one generation batch (prompts_per_step x group_size completions, sampled once) followed by num_iterations
-optimizer steps over it (batching.py). Sections: config, tasks (prompt generators + verifier rewards), model
-loading (incl. the GGUF -> HF conversion of the default model), checkpoints, the loop, logging.
+optimizer steps over it (batching.py). Sections: config (and its checks), prompts, model loading (incl. the GGUF -> HF
+conversion of the default model), out_dir and checkpoints, the loop, logging. The tasks (prompt generators, verifier
+rewards, held-out split, training prompt stream) are in tasks.py.
 """
 import ast
 import glob
@@ -19,13 +20,12 @@ import shutil
 import subprocess
 import sys
 import time
-import traceback
 import zipfile
 from types import SimpleNamespace
 
 import torch
 
-from tasks import MAX_DIFFICULTY, TASKS
+from tasks import MAX_DIFFICULTY, TASKS, check_training_pool, guard_reward, held_out_set, train_prompts
 
 # ------------------------------------------------------------------------------------------------------------------
 # config: module globals, overridable as --key=value (type taken from the default). The defaults, on one H100:
@@ -168,6 +168,8 @@ def check_config(cfg):
         errors.append("--out_dir='': name a directory")
     if cfg.resume and cfg.overwrite:
         errors.append("--resume=True and --overwrite=True: continue the run in out_dir, or replace it, not both")
+    elif cfg.resume and not os.path.isdir(cfg.out_dir):
+        errors.append(f"--resume=True but there is no --out_dir={cfg.out_dir!r} to resume")
     errors += check_model(cfg.model)
     if errors:
         raise ValueError("bad config:\n  " + "\n  ".join(errors))
@@ -182,72 +184,8 @@ def resolve(cfg):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# tasks (tasks.py: prompt generators, verifier rewards, the safe evaluator); here the held-out split, the training
-# prompt stream, and the guard that keeps a raising reward from ending a run
+# prompts
 # ------------------------------------------------------------------------------------------------------------------
-EVAL_SEED = 10**9 + 7  # held-out set: a seed no training step uses (training step s uses seed * 100_003 + s)
-
-
-def held_out_set(make_prompts, n, difficulty):
-    """n distinct questions; training never sees them (1-digit arithmetic has only 200 questions, so this matters)"""
-    out, seen = [], set()
-    for q, t in make_prompts(50 * n, EVAL_SEED, difficulty):
-        if q not in seen:
-            seen.add(q)
-            out.append((q, t))
-        if len(out) == n:
-            return out
-    raise ValueError(f"--eval_size={n}: only {len(out)} distinct questions at difficulty={difficulty}: lower "
-                     f"--eval_size or raise --difficulty")
-
-
-def check_training_pool(make_prompts, seed, difficulty, exclude):
-    """refuse, before anything loads, a held-out set that leaves training (almost) no questions: train_prompts would
-    have to draw for ever"""
-    free = sum(q not in exclude for q, _ in make_prompts(1000, seed, difficulty))
-    if free < 20:
-        raise ValueError(f"--eval_size={len(exclude)} holds out {1000 - free} of 1000 questions drawn at difficulty="
-                         f"{difficulty}: too few left to train on; lower --eval_size or raise --difficulty")
-
-
-def train_prompts(make_prompts, n, seed, difficulty, exclude):
-    """the n questions of one step: the first n outside the held-out set in the endless stream make_prompts(4n, seed),
-    then make_prompts(4n, seed * 1_000_003 + r) for r = 1, 2, ... (one draw used to be all there was: with
-    prompts_per_step=1 and 1-digit arithmetic, half of whose questions are held out, it ran dry at step 11, and at
-    that same step again on every resume). It depends on (seed, step) alone, so a resumed run draws exactly what an
-    unbroken one would; check_training_pool makes sure a few rounds suffice."""
-    out = []
-    for r in range(1000):
-        out += [p for p in make_prompts(4 * n, seed if r == 0 else seed * 1_000_003 + r, difficulty)
-                if p[0] not in exclude]
-        if len(out) >= n:
-            return out[:n]
-    raise ValueError(f"the held-out set leaves too few training questions at difficulty={difficulty}: lower "
-                     f"--eval_size")
-
-
-def guard_reward(reward_fn):
-    """reward_fn that never raises: a call that raises (or returns a non-finite reward) scores (0.0, False) for that
-    completion and is counted in counts["errors"] (the step log's reward_errors); the first traceback is printed,
-    once. A user's reward meeting one odd completion should cost that completion, not a week-long run."""
-    counts = {"errors": 0}
-
-    def safe(completion, target):
-        try:
-            r, ok = reward_fn(completion, target)
-            r = float(r)
-            if not math.isfinite(r):
-                raise ValueError(f"reward {r} is not finite")
-            return r, bool(ok)
-        except Exception:  # noqa: BLE001 - any failure of the reward is the completion's, not the run's
-            counts["errors"] += 1
-            if counts["errors"] == 1:
-                print(f"the reward function failed on a completion (it scores 0; later failures are only counted, as "
-                      f"reward_errors in the log):\n{traceback.format_exc()}", file=sys.stderr)
-            return 0.0, False
-    return safe, counts
-
-
 def encode_prompts(tokenizer, questions, max_prompt_len, dev):
     """chat template + left padding -> (B, P) ids and mask"""
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
@@ -600,6 +538,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     random.seed(cfg.seed)
     base = resolve_model_path(cfg.model, cfg.gguf_dir)  # on resume the policy comes from ckpt, the reference from here
     tokenizer = load_tokenizer(ckpt or base)
+    encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)  # max_prompt_len: said before loading
     policy = load_model(ckpt or base, dev)
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,6 +1,8 @@
 """
 nanoGRPO's tasks: make_prompts(n, seed, difficulty) -> [(question, target)], reward(completion, target) ->
-(reward, correct). Plain functions: swap TASKS[name] for your own. Imports nothing from the project.
+(reward, correct). Plain functions: swap TASKS[name] for your own. Then what the trainer does with any task: the
+held-out split, the endless training prompt stream, and the guard that keeps a raising reward from ending a run.
+Imports nothing from the project.
 
 The answer is the last "The answer is X": correct 1.0, the format with a wrong X 0.1, else 0. This format is one
 SmolLM2-135M-Instruct half-follows (greedy, 1-digit arithmetic: format 75%, correct 19%); it never wrote
@@ -11,8 +13,11 @@ A reward runs on whatever the policy writes, so it must be safe on any string: n
 minus signs raised RecursionError there, and 9**9**9 would never return).
 """
 import ast
+import math
 import random
 import re
+import sys
+import traceback
 from fractions import Fraction
 
 NUMBER_RE = re.compile(r"answer is:?\s*(-?\d[\d,]*)", re.I)
@@ -129,3 +134,69 @@ def countdown_reward(completion, target):
 TASKS = {"arithmetic": (arithmetic_prompts, arithmetic_reward), "countdown": (countdown_prompts, countdown_reward)}
 # the largest difficulty each generator samples in reasonable time (arithmetic: answers within MAX_DIGITS digits)
 MAX_DIFFICULTY = {"arithmetic": 18, "countdown": 10}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# what the trainer does with any task: the held-out split, the training prompt stream, the reward guard
+# ------------------------------------------------------------------------------------------------------------------
+EVAL_SEED = 10**9 + 7  # held-out set: a seed no training step uses (training step s uses seed * 100_003 + s)
+
+
+def held_out_set(make_prompts, n, difficulty):
+    """n distinct questions; training never sees them (1-digit arithmetic has only 200 questions, so this matters)"""
+    out, seen = [], set()
+    for q, t in make_prompts(50 * n, EVAL_SEED, difficulty):
+        if q not in seen:
+            seen.add(q)
+            out.append((q, t))
+        if len(out) == n:
+            return out
+    raise ValueError(f"--eval_size={n}: only {len(out)} distinct questions at difficulty={difficulty}: lower "
+                     f"--eval_size or raise --difficulty")
+
+
+def check_training_pool(make_prompts, seed, difficulty, exclude):
+    """refuse, before anything loads, a held-out set that leaves training (almost) no questions: train_prompts would
+    have to draw for ever"""
+    free = sum(q not in exclude for q, _ in make_prompts(1000, seed, difficulty))
+    if free < 20:
+        raise ValueError(f"--eval_size={len(exclude)} holds out {1000 - free} of 1000 questions drawn at difficulty="
+                         f"{difficulty}: too few left to train on; lower --eval_size or raise --difficulty")
+
+
+def train_prompts(make_prompts, n, seed, difficulty, exclude):
+    """the n questions of one step: the first n outside the held-out set in the endless stream make_prompts(4n, seed),
+    then make_prompts(4n, seed * 1_000_003 + r) for r = 1, 2, ... (one draw used to be all there was: with
+    prompts_per_step=1 and 1-digit arithmetic, half of whose questions are held out, it ran dry at step 11, and at
+    that same step again on every resume). It depends on (seed, step) alone, so a resumed run draws exactly what an
+    unbroken one would; check_training_pool makes sure a few rounds suffice."""
+    out = []
+    for r in range(1000):
+        out += [p for p in make_prompts(4 * n, seed if r == 0 else seed * 1_000_003 + r, difficulty)
+                if p[0] not in exclude]
+        if len(out) >= n:
+            return out[:n]
+    raise ValueError(f"the held-out set leaves too few training questions at difficulty={difficulty}: lower "
+                     f"--eval_size")
+
+
+def guard_reward(reward_fn):
+    """reward_fn that never raises: a call that raises (or returns a non-finite reward) scores (0.0, False) for that
+    completion and is counted in counts["errors"] (the step log's reward_errors); the first traceback is printed,
+    once. A user's reward meeting one odd completion should cost that completion, not a week-long run."""
+    counts = {"errors": 0}
+
+    def safe(completion, target):
+        try:
+            r, ok = reward_fn(completion, target)
+            r = float(r)
+            if not math.isfinite(r):
+                raise ValueError(f"reward {r} is not finite")
+            return r, bool(ok)
+        except Exception:  # noqa: BLE001 - any failure of the reward is the completion's, not the run's
+            counts["errors"] += 1
+            if counts["errors"] == 1:
+                print(f"the reward function failed on a completion (it scores 0; later failures are only counted, as "
+                      f"reward_errors in the log):\n{traceback.format_exc()}", file=sys.stderr)
+            return 0.0, False
+    return safe, counts

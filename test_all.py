@@ -1035,6 +1035,11 @@ def test_grpo_config_checked_before_anything_loads():
     assert_raises(ValueError, lambda: cfg(f"--model={no_tok}"), "no tokenizer files")
     assert_raises(ValueError, lambda: cfg(f"--model={tempfile.mkdtemp()}"), "no config.json")
     cfg(f"--model={_tiny_model_dir()}", "--device=cpu")  # the real one passes
+    assert_raises(ValueError, lambda: cfg("--resume=True", f"--out_dir={out}"), "no --out_dir")
+    out = tempfile.mkdtemp()  # a too-small max_prompt_len: said after the tokenizer, before the model, loads
+    res, log = _train_output(_train_args(out, 1, "--max_prompt_len=5"))
+    assert isinstance(res, ValueError) and "max_prompt_len=5" in str(res) and "Loading weights" not in log, res
+    assert os.listdir(out) == [], os.listdir(out)
 
 
 @check
