@@ -149,7 +149,8 @@ def check_config(cfg):
     """every config value, before anything loads or is written; one ValueError listing each bad flag, its value and
     the valid range (CHOICES, RANGES, FREE_KEYS together cover CONFIG_KEYS: test_grpo_config_errors_and_types)"""
     errors = [f"--{k}={getattr(cfg, k)!r}: use one of {ok}" for k, ok in CHOICES.items() if getattr(cfg, k) not in ok]
-    errors += [f"--{k}={getattr(cfg, k)!r}: must be {why}" for k, (ok, why) in RANGES.items() if not ok(getattr(cfg, k))]
+    errors += [f"--{k}={getattr(cfg, k)!r}: must be {why}" for k, (ok, why) in RANGES.items()
+               if not ok(getattr(cfg, k))]
     hi = MAX_DIFFICULTY.get(cfg.task)
     if hi is not None and cfg.difficulty > hi:
         errors.append(f"--difficulty={cfg.difficulty}: {cfg.task} samples difficulty 1..{hi}")
@@ -366,8 +367,8 @@ def prepare_out_dir(cfg):
         return None
     if not cfg.resume:
         if earlier:
-            raise ValueError(f"{cfg.out_dir} holds an earlier run ({', '.join(earlier)}): pass --resume=True to continue "
-                             f"it, --overwrite=True to replace it, or another --out_dir")
+            raise ValueError(f"{cfg.out_dir} holds an earlier run ({', '.join(earlier)}): pass --resume=True to "
+                             f"continue it, --overwrite=True to replace it, or another --out_dir")
         return None
     ckpt = recover_checkpoint(cfg.out_dir)
     if ckpt is None:
@@ -523,7 +524,8 @@ def train(argv):
     try:
         return run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start)
     finally:
-        os.remove(lock)
+        if os.path.exists(lock):
+            os.remove(lock)
 
 
 def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):

@@ -945,8 +945,9 @@ def test_tasks_rewards_never_raise_on_hostile_strings():
     from fractions import Fraction
     import tasks
     nums = ((2, 3, 5), 16)
-    hostile = ["-" * 3000 + "(3 + 5) * 2", "- " * 60 + "(3 + 5) * 2", "9**9**9", "1" * 5000, "(" * 500 + "2" + ")" * 500,
-               "99999999 * 99999999 * 99999999 * 99999999", "(3 + 5) / 0 * 2", "3 + 5 * 2 ("]
+    hostile = ["-" * 3000 + "(3 + 5) * 2", "- " * 60 + "(3 + 5) * 2", "9**9**9", "1" * 5000,
+               "(" * 500 + "2" + ")" * 500, "99999999 * 99999999 * 99999999 * 99999999", "(3 + 5) / 0 * 2",
+               "3 + 5 * 2 ("]
     t0 = time.time()
     for s in hostile:
         assert tasks.countdown_reward("The answer is " + s, nums) == (0.0, False), s[:40]
@@ -1162,7 +1163,8 @@ def test_grpo_resume_log_and_config_rules():
     res, log = _train_output(_train_args(out, 3, "--resume=True", "--group_size=2", f"--model={other}",
                                          "--max_completion_len=9"))
     assert isinstance(res, ValueError), res
-    for k, a, b in (("group_size", 4, 2), ("model", repr(_tiny_model_dir()), repr(other)), ("max_completion_len", 8, 9)):
+    for k, a, b in (("group_size", 4, 2), ("model", repr(_tiny_model_dir()), repr(other)),
+                    ("max_completion_len", 8, 9)):
         assert f"--{k} was {a}, now {b}" in str(res), (k, str(res))
     assert "loading" not in log.lower() and [json.loads(l)["step"] for l in open(log_path)] == [0, 1, 2]
     for f, what in (("model.safetensors", "model"), ("tokenizer.json", "tokenizer"),
