@@ -307,7 +307,7 @@ def load_model(path, dev):
 # written to ckpt.tmp and swapped in by renames. trainer_state.pt is written last (itself through a rename), so a
 # directory holding it is complete, and recover_checkpoint turns every state a kill can leave into a plain ckpt/.
 # ------------------------------------------------------------------------------------------------------------------
-RUN_FILES = ("log.jsonl", "curves.png", "ckpt", "ckpt.tmp", "ckpt.old")  # what a run writes (LOCK aside)
+RUN_FILES = ("log.jsonl", "log.jsonl.tmp", "curves.png", "ckpt", "ckpt.tmp", "ckpt.old")  # a run's files (but LOCK)
 # resume refuses a change of these (they define the run: its weights' lineage, data, held-out set, shapes); it
 # takes the rest (lr, max_steps, loss_type, ...) with a printed notice
 STRUCTURAL = ("model", "task", "difficulty", "eval_size", "seed", "group_size", "max_prompt_len", "max_completion_len",
@@ -351,7 +351,11 @@ def pid_alive(pid):
         return False
     except PermissionError:  # alive, someone else's
         return True
-    return True
+    try:  # a killed run nobody reaped (a container without an init) is a zombie: dead, though kill(pid, 0) works
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def prepare_out_dir(cfg):
@@ -371,10 +375,8 @@ def prepare_out_dir(cfg):
                              f"continue it, --overwrite=True to replace it, or another --out_dir")
         return None
     ckpt = recover_checkpoint(cfg.out_dir)
-    if ckpt is None:
-        if not earlier:
-            raise ValueError(f"--resume=True but {cfg.out_dir} holds no run: check --out_dir")
-        print(f"--resume=True: {cfg.out_dir} has no checkpoint yet (killed before its first save): starting at step 0")
+    if ckpt is None:  # (check_config refused an out_dir that does not exist)
+        print(f"--resume=True: no checkpoint in {cfg.out_dir} yet (killed before its first save?): starting at step 0")
     return ckpt
 
 

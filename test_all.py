@@ -1129,6 +1129,11 @@ def test_grpo_checkpoint_recovers_from_every_kill_point():
         assert left == ([] if want is None else ["ckpt"]), (dirs, left)
         if want is not None:
             assert got == os.path.join(out, "ckpt") and open(os.path.join(got, "tag")).read() == want, dirs
+    out = tempfile.mkdtemp()  # killed before its first save: a log, a partial ckpt.tmp; resume starts at step 0
+    make(out, "ckpt.tmp", "new", complete=False)
+    open(os.path.join(out, "log.jsonl"), "w").write('{"step": 0, "eval_accuracy": 0.0}\n{"step": 1, "rew')
+    res, log = _train_output(_train_args(out, 1, "--resume=True", "--eval_every=0"))
+    assert not isinstance(res, Exception) and [r["step"] for r in res.records] == [0, 1], f"{res!r}\n{log[-1500:]}"
     out = _run_dir(1)  # the wedge, for real: ckpt/ (step 1) and a complete ckpt.old/ beside it
     shutil.copytree(os.path.join(out, "ckpt"), os.path.join(out, "ckpt.old"))
     res, log = _train_output(_train_args(out, 2, "--resume=True", "--eval_every=0"))
@@ -1183,6 +1188,7 @@ def test_grpo_out_dir_never_overwritten_and_locked():
     import json
     import socket
     import subprocess
+    import grpo
     out = _run_dir(1)
     before = {f: os.path.getmtime(os.path.join(out, f)) for f in ("log.jsonl", "ckpt")}
     res, _ = _train_output(_train_args(out, 1))
@@ -1201,6 +1207,11 @@ def test_grpo_out_dir_never_overwritten_and_locked():
         json.dump({"pid": 1, "host": "another-host"}, f)
     res, _ = _train_output(_train_args(out, 2, "--resume=True"))
     assert isinstance(res, ValueError) and "another-host" in str(res), res
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)  # exited, not reaped: what a killed run is in a container without an init
+    assert not grpo.pid_alive(zombie.pid)
+    zombie.wait()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # its pid is gone now
     with open(lock, "w") as f:
