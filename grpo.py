@@ -405,7 +405,8 @@ def recover_checkpoint(out_dir):
 
 
 def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
-    final = recover_checkpoint(cfg.out_dir) or os.path.join(cfg.out_dir, "ckpt")  # ckpt.tmp/.old gone
+    recover_checkpoint(cfg.out_dir)  # no ckpt.tmp or ckpt.old left in the way (a leftover ckpt.old wedged saves)
+    final = os.path.join(cfg.out_dir, "ckpt")
     tmp, old = final + ".tmp", final + ".old"
     if master is not None:  # the float32 masters are the weights; the bf16 model is their rounding
         model.save_pretrained(tmp, state_dict={n: m for (n, _), m in zip(model.named_parameters(), master)})
