@@ -5,8 +5,9 @@ nanoGRPO: GRPO on one GPU, read top to bottom.
     python grpo.py --task=countdown --lr=5e-6        # any config global below can be overridden as --key=value
 
 One step = one generation batch (prompts_per_step x group_size completions, sampled once) followed by num_iterations
-optimizer steps over it (batching.py). Sections: config, tasks (prompt generators + verifier rewards), model
-loading (incl. the GGUF -> HF conversion of the default model), checkpoints, the loop, logging.
+optimizer steps over it (batching.py). Sections: config (and its checks), prompts, model loading (incl. the GGUF -> HF
+conversion of the default model), out_dir and checkpoints, the loop, logging. The tasks (prompt generators, verifier
+rewards, held-out split, training prompt stream) are in tasks.py.
 """
 import ast
 import glob
@@ -23,6 +24,8 @@ import zipfile
 from types import SimpleNamespace
 
 import torch
+
+from tasks import MAX_DIFFICULTY, TASKS, check_training_pool, guard_reward, held_out_set, train_prompts
 
 # ------------------------------------------------------------------------------------------------------------------
 # config: module globals, overridable as --key=value (type taken from the default). The defaults, on one H100:
@@ -61,8 +64,9 @@ seed = 1337
 eval_every = 10
 eval_size = 100
 save_every = 50
-out_dir = "out"
-resume = False
+out_dir = "out"  # log.jsonl, ckpt/, curves.png, LOCK; an earlier run there is never replaced silently
+resume = False  # continue the run in out_dir from its checkpoint
+overwrite = False  # replace an earlier run in out_dir (its log.jsonl, curves.png and checkpoint)
 
 CONFIG_KEYS = [k for k, v in list(globals().items()) if not k.startswith("_") and isinstance(v, (bool, int, float, str))]
 
@@ -94,94 +98,95 @@ def parse_config(argv):
     return SimpleNamespace(**cfg)
 
 
+CHOICES = {"task": tuple(TASKS), "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo"), "scale_rewards": ("group", "batch",
+           "none"), "logprob_impl": ("auto", "fused", "chunked", "naive"), "dtype": ("float32", "bfloat16")}
+# (float16 would need a loss scaler, which this loop has not)
+finite = math.isfinite
+RANGES = {  # key: (is the value valid?, the valid range as an error states it)
+    "lr": (lambda v: finite(v) and v > 0, "finite and > 0"),
+    "weight_decay": (lambda v: finite(v) and v >= 0, "finite and >= 0"),
+    "grad_clip": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no clipping)"),
+    "epsilon": (lambda v: 0 <= v <= 1, "in [0, 1] (the ratio is clipped below at 1 - epsilon)"),
+    "epsilon_high": (lambda v: finite(v) and v >= 0, "finite and >= 0"),
+    "beta": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no KL term, no reference model)"),
+    "temperature": (lambda v: finite(v) and v > 0, "finite and > 0"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1] (0 would keep only the most likely token: a group of one answer)"),
+    "max_minutes": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no limit)"),
+    "group_size": (lambda v: v >= 2, ">= 2 (the advantage is a reward minus its group's mean)"),
+    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    **{k: (lambda v: v >= 1, ">= 1") for k in ("max_steps", "prompts_per_step", "max_prompt_len", "max_completion_len",
+                                              "num_iterations", "micro_batch_tokens", "eval_size", "difficulty")},
+    **{k: (lambda v: v >= 0, ">= 0") for k in ("warmup_steps", "eval_every", "save_every")},
+}
+FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite", "mask_truncated_completions",
+             "kv_reuse", "gradient_checkpointing")  # strings checked below, and booleans
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def check_model(name):
+    """a --model that looks like a local path must be an HF directory: said here, before from_pretrained, which
+    takes a missing path for a hub id (a relative one retried the hub for ~50 s) and a directory without a tokenizer
+    for one that needs sentencepiece"""
+    path = os.path.expanduser(name)
+    local = (name.startswith((".", "/", "~")) or os.path.exists(path) or name.count("/") > 1
+             or ("/" in name and os.path.isdir(name.split("/")[0])))  # a hub id is "name" or "org/name"
+    if name == "smollm2" or not local:
+        return []
+    if not os.path.isdir(path):
+        return [f"--model={name!r}: no such directory (a local path; a hub id looks like org/name)"]
+    errors = []
+    if not os.path.exists(os.path.join(path, "config.json")):
+        errors.append(f"--model={name!r}: no config.json in {path}: not a Hugging Face model directory")
+    if not glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, "*.bin")):
+        errors.append(f"--model={name!r}: no weights (*.safetensors or *.bin) in {path}")
+    if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        errors.append(f"--model={name!r}: no tokenizer files in {path} (want one of {', '.join(TOKENIZER_FILES)}; "
+                      f"tokenizer.save_pretrained(DIR) writes them)")
+    return errors
+
+
+def check_config(cfg):
+    """every config value, before anything loads or is written; one ValueError listing each bad flag, its value and
+    the valid range (CHOICES, RANGES, FREE_KEYS together cover CONFIG_KEYS: test_grpo_config_errors_and_types)"""
+    errors = [f"--{k}={getattr(cfg, k)!r}: use one of {ok}" for k, ok in CHOICES.items() if getattr(cfg, k) not in ok]
+    errors += [f"--{k}={getattr(cfg, k)!r}: must be {why}" for k, (ok, why) in RANGES.items()
+               if not ok(getattr(cfg, k))]
+    hi = MAX_DIFFICULTY.get(cfg.task)
+    if hi is not None and cfg.difficulty > hi:
+        errors.append(f"--difficulty={cfg.difficulty}: {cfg.task} samples difficulty 1..{hi}")
+    dev = cfg.device
+    if dev not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", dev):
+        errors.append(f"--device={dev!r}: use auto, cpu, cuda or cuda:N")
+    elif dev.startswith("cuda") and not torch.cuda.is_available():
+        errors.append(f"--device={dev!r} but torch sees no CUDA device (torch {torch.__version__}): use --device=auto "
+                      f"or --device=cpu")
+    elif dev.startswith("cuda:") and int(dev[5:]) >= torch.cuda.device_count():
+        errors.append(f"--device={dev!r}: there are {torch.cuda.device_count()} CUDA devices")
+    gpu = dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available())
+    if cfg.logprob_impl == "fused" and not gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        errors.append("--logprob_impl='fused' on the CPU runs only under TRITON_INTERPRET=1 (slowly): use chunked")
+    if not cfg.out_dir:
+        errors.append("--out_dir='': name a directory")
+    if cfg.resume and cfg.overwrite:
+        errors.append("--resume=True and --overwrite=True: continue the run in out_dir, or replace it, not both")
+    elif cfg.resume and not os.path.isdir(cfg.out_dir):
+        errors.append(f"--resume=True but there is no --out_dir={cfg.out_dir!r} to resume")
+    errors += check_model(cfg.model)
+    if errors:
+        raise ValueError("bad config:\n  " + "\n  ".join(errors))
+
+
+def resolve(cfg):
+    check_config(cfg)
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+    if cfg.logprob_impl == "auto":  # the Triton kernel runs on CPU only under TRITON_INTERPRET=1, slowly
+        cfg.logprob_impl = "fused" if dev.type == "cuda" else "chunked"
+    return dev, getattr(torch, cfg.dtype)
+
+
 # ------------------------------------------------------------------------------------------------------------------
-# tasks: make_prompts(n, seed, difficulty) -> [(question, target)], reward(completion, target) -> (reward, correct).
-# Plain functions: swap TASKS[name] for your own. The answer is the last "The answer is X": correct 1.0, the format
-# with a wrong X 0.1, else 0. This format is one SmolLM2-135M-Instruct half-follows (greedy, 1-digit arithmetic:
-# format 75%, correct 19%); it never wrote <answer>X</answer> even when told to, so a tag format gives GRPO no signal.
+# prompts
 # ------------------------------------------------------------------------------------------------------------------
-NUMBER_RE = re.compile(r"answer is:?\s*(-?\d[\d,]*)", re.I)
-EXPR_RE = re.compile(r"answer is:?\s*([\d\s+\-*/()]*\d[\d\s+\-*/()]*)", re.I)
-
-
-def arithmetic_prompts(n, seed, difficulty):
-    """a + b or a - b with `difficulty`-digit operands"""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        hi = 10 ** difficulty - 1
-        a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice("+-")
-        out.append((f"What is {a} {op} {b}? End your reply with: The answer is NUMBER.", a + b if op == "+" else a - b))
-    return out
-
-
-def arithmetic_reward(completion, target):
-    found = NUMBER_RE.findall(completion)
-    if not found:
-        return 0.0, False
-    correct = int(found[-1].replace(",", "")) == target
-    return (1.0 if correct else 0.1), correct
-
-
-def countdown_prompts(n, seed, difficulty):
-    """difficulty + 1 numbers in 1..20 and a target reachable with + - * (each number used once; built so it is)"""
-    rng = random.Random(seed)
-    out = []
-    while len(out) < n:
-        nums = [rng.randint(1, 20) for _ in range(difficulty + 1)]
-        order = rng.sample(nums, len(nums))
-        expr = str(order[0])
-        for x in order[1:]:
-            expr = f"({expr} {rng.choice('+-*')} {x})"
-        target = eval(expr)  # noqa: S307 - our own digits and operators
-        if 0 < target <= 200:
-            q = (f"Using the numbers {nums}, each exactly once, and + - * / ( ), write an expression equal to {target}. "
-                 f"End your reply with: The answer is EXPRESSION.")
-            out.append((q, (tuple(sorted(nums)), target)))
-    return out
-
-
-def countdown_reward(completion, target):
-    nums, value = target
-    found = EXPR_RE.findall(completion)
-    if not found:
-        return 0.0, False
-    expr = found[-1].strip()
-    if "**" in expr or tuple(sorted(int(x) for x in re.findall(r"\d+", expr))) != nums:
-        return 0.1, False  # (** is not an allowed operator, and 9**9**9 would hang eval)
-    try:  # the regex admits digits, spaces, + - * / ( ) only, so eval cannot reach anything else
-        correct = abs(eval(expr, {"__builtins__": {}}) - value) < 1e-6  # noqa: S307
-    except (SyntaxError, ZeroDivisionError, TypeError, ValueError):
-        correct = False
-    return (1.0 if correct else 0.1), correct
-
-
-TASKS = {"arithmetic": (arithmetic_prompts, arithmetic_reward), "countdown": (countdown_prompts, countdown_reward)}
-EVAL_SEED = 10**9 + 7  # held-out set: a seed no training step uses (training step s uses seed * 100_003 + s)
-
-
-def held_out_set(make_prompts, n, difficulty):
-    """n distinct questions; training never sees them (1-digit arithmetic has only 200 questions, so this matters)"""
-    out, seen = [], set()
-    for q, t in make_prompts(50 * n, EVAL_SEED, difficulty):
-        if q not in seen:
-            seen.add(q)
-            out.append((q, t))
-        if len(out) == n:
-            return out
-    raise ValueError(f"only {len(out)} distinct questions at difficulty={difficulty}: lower --eval_size or raise "
-                     f"--difficulty")
-
-
-def train_prompts(make_prompts, n, seed, difficulty, exclude):
-    """n questions for one step, none of them in the held-out set"""
-    out = [p for p in make_prompts(4 * n, seed, difficulty) if p[0] not in exclude][:n]
-    if len(out) < n:
-        raise ValueError(f"the held-out set leaves too few training questions at difficulty={difficulty}: lower "
-                         f"--eval_size")
-    return out
-
-
 def encode_prompts(tokenizer, questions, max_prompt_len, dev):
     """chat template + left padding -> (B, P) ids and mask"""
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
@@ -259,22 +264,150 @@ def resolve_model_path(name, gdir):
         if not os.path.exists(os.path.join(SMOLLM2_DIR, "config.json")):
             convert_smollm2(gdir)
         return SMOLLM2_DIR
-    return name  # a local HF directory or a hub id (from_pretrained tells what is wrong with it)
+    return os.path.expanduser(name)  # a local HF directory (check_model looked at it) or a hub id
+
+
+def loaded(what, path, load):
+    """load(), or a ValueError naming the file that does not parse (a cut safetensors or tokenizer.json otherwise
+    surfaces as a bare parser error, with no file name)"""
+    try:
+        return load()
+    except Exception as e:  # noqa: BLE001 - re-raised with the file's name
+        why = f"{type(e).__name__}: {e}"
+        for f in sorted(glob.glob(os.path.join(path, "*.json")) + glob.glob(os.path.join(path, "*.safetensors"))):
+            try:
+                if f.endswith(".json"):
+                    with open(f) as fh:
+                        json.load(fh)
+                else:
+                    from safetensors import safe_open
+                    safe_open(f, "pt").keys()  # reads the header only
+            except Exception as e2:  # noqa: BLE001
+                why = f"{f} is corrupt ({type(e2).__name__}: {e2})"
+                break
+        raise ValueError(f"could not load the {what} from {path}: {why}") from e
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+    tok = loaded("tokenizer", path, lambda: AutoTokenizer.from_pretrained(path))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
 
 
 def load_model(path, dev):
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev)
+    return loaded("model", path, lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).to(dev)
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# checkpoints: out_dir/ckpt is an HF directory (safetensors + tokenizer) plus trainer_state.pt (optimizer, RNG, step),
-# written to ckpt.tmp and renamed into place, so a crash mid-save never leaves a half-written ckpt behind
+# out_dir: a LOCK keeps a second run out; an earlier run is replaced only with --overwrite=True. Checkpoints:
+# out_dir/ckpt is an HF directory (safetensors + tokenizer) plus trainer_state.pt (optimizer, RNG, step, config),
+# written to ckpt.tmp and swapped in by renames. trainer_state.pt is written last (itself through a rename), so a
+# directory holding it is complete, and recover_checkpoint turns every state a kill can leave into a plain ckpt/.
 # ------------------------------------------------------------------------------------------------------------------
+RUN_FILES = ("log.jsonl", "log.jsonl.tmp", "curves.png", "ckpt", "ckpt.tmp", "ckpt.old")  # a run's files (but LOCK)
+# resume refuses a change of these (they define the run: its weights' lineage, data, held-out set, shapes); it
+# takes the rest (lr, max_steps, loss_type, ...) with a printed notice
+STRUCTURAL = ("model", "task", "difficulty", "eval_size", "seed", "group_size", "max_prompt_len", "max_completion_len",
+              "dtype")
+
+
+def take_lock(out_dir):
+    """create out_dir/LOCK (pid, host) atomically; a live run's lock is refused, a dead one's (same host, pid gone)
+    taken over. Returns the lock's path."""
+    import socket
+    path, me = os.path.join(out_dir, "LOCK"), {"pid": os.getpid(), "host": socket.gethostname()}
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    held = json.load(f)
+                pid, host = int(held["pid"]), held["host"]
+            except (OSError, ValueError, KeyError, TypeError):  # (killed between creating and writing it)
+                pid, host = None, me["host"]
+            if host != me["host"]:
+                raise ValueError(f"{out_dir} is in use by pid {pid} on {host} ({path}); if that run is gone, delete "
+                                 f"{path}") from None
+            if pid is not None and pid_alive(pid):
+                raise ValueError(f"{out_dir} is in use by a live run (pid {pid}, {path}): wait for it, or pick "
+                                 f"another --out_dir") from None
+            print(f"taking over {path}: the run that held it (pid {pid}) is gone")
+            os.remove(path)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return path
+    raise ValueError(f"{path}: another run took the lock first")
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    try:  # a killed run nobody reaped (a container without an init) is a zombie: dead, though kill(pid, 0) works
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def prepare_out_dir(cfg):
+    """under the lock: refuse to replace an earlier run unless --overwrite=True (then remove its files); on resume,
+    bring the checkpoint into a plain state. Returns the checkpoint to resume from, or None."""
+    earlier = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
+    if cfg.overwrite:
+        for f in earlier:
+            p = os.path.join(cfg.out_dir, f)
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+        if earlier:
+            print(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} in {cfg.out_dir}")
+        return None
+    if not cfg.resume:
+        if earlier:
+            raise ValueError(f"{cfg.out_dir} holds an earlier run ({', '.join(earlier)}): pass --resume=True to "
+                             f"continue it, --overwrite=True to replace it, or another --out_dir")
+        return None
+    ckpt = recover_checkpoint(cfg.out_dir)
+    if ckpt is None:  # (check_config refused an out_dir that does not exist)
+        print(f"--resume=True: no checkpoint in {cfg.out_dir} yet (killed before its first save?): starting at step 0")
+    return ckpt
+
+
+def recover_checkpoint(out_dir):
+    """the newest complete checkpoint as out_dir/ckpt, with ckpt.tmp and ckpt.old gone; None if there is none.
+    A kill anywhere in save_checkpoint (or in here) leaves one of: tmp partial (ckpt as before); tmp complete and
+    ckpt complete (killed before the swap); tmp complete, ckpt gone, old complete (between the two renames); ckpt
+    complete, old left over (before its removal: this wedged every later save with "Directory not empty"). Only
+    renames move a complete directory; rmtree only ever removes an incomplete one or one a complete ckpt replaces."""
+    final = os.path.join(out_dir, "ckpt")
+    tmp, old = final + ".tmp", final + ".old"
+    done = lambda d: os.path.isfile(os.path.join(d, "trainer_state.pt"))  # noqa: E731
+    if done(tmp):  # a finished save that did not get swapped in: it is the newest
+        if done(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        elif os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    elif done(old) and not done(final):  # (only by hand: a save never leaves this) fall back to the older one
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(old, final)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return final if done(final) else None
+
+
 def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
+    recover_checkpoint(cfg.out_dir)  # no ckpt.tmp or ckpt.old left in the way (a leftover ckpt.old wedged saves)
     final = os.path.join(cfg.out_dir, "ckpt")
     tmp, old = final + ".tmp", final + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
     if master is not None:  # the float32 masters are the weights; the bf16 model is their rounding
         model.save_pretrained(tmp, state_dict={n: m for (n, _), m in zip(model.named_parameters(), master)})
     else:
@@ -282,24 +415,35 @@ def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
     tokenizer.save_pretrained(tmp)
     rng = dict(torch=torch.get_rng_state(), python=random.getstate(),
                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-    torch.save(dict(step=step, optimizer=optimizer.state_dict(), rng=rng, config=vars(cfg)),
-               os.path.join(tmp, "trainer_state.pt"))
+    state = os.path.join(tmp, "trainer_state.pt")
+    torch.save(dict(step=step, optimizer=optimizer.state_dict(), rng=rng, config=vars(cfg)), state + ".part")
+    os.replace(state + ".part", state)  # tmp is complete from here on
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
 
 
-def checkpoint_dir(cfg):
-    for d in ("ckpt", "ckpt.old"):  # ckpt.old only survives a crash between the two renames above
-        p = os.path.join(cfg.out_dir, d)
-        if os.path.exists(os.path.join(p, "trainer_state.pt")):
-            return p
-    raise ValueError(f"--resume=True but no checkpoint in {cfg.out_dir}/ckpt: check --out_dir")
+def read_trainer_state(ckpt):
+    path = os.path.join(ckpt, "trainer_state.pt")
+    return loaded("trainer state", path, lambda: torch.load(path, weights_only=False))
 
 
-def restore_trainer_state(ckpt, optimizer):
-    state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+def check_resume_config(saved, cfg):
+    """refuse a STRUCTURAL change against the checkpoint's config (naming each key and both values); print the rest"""
+    def norm(k, v):  # the same local model directory, however it is written
+        return os.path.realpath(os.path.expanduser(v)) if k == "model" and os.path.isdir(os.path.expanduser(v)) else v
+    changed = {k: (saved[k], v) for k, v in vars(cfg).items()
+               if k in saved and k not in ("out_dir", "resume", "overwrite") and norm(k, saved[k]) != norm(k, v)}
+    bad = [f"--{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items() if k in STRUCTURAL]
+    if bad:
+        raise ValueError(f"--resume=True would continue the run in {cfg.out_dir} as another run: {'; '.join(bad)}. "
+                         f"Keep these as they were, or start a new run (another --out_dir, or --overwrite=True)")
+    for k, (a, b) in changed.items():
+        print(f"resume: --{k} changed from {a!r} to {b!r}")
+
+
+def restore_trainer_state(state, optimizer):
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
@@ -308,24 +452,34 @@ def restore_trainer_state(ckpt, optimizer):
     return state["step"]
 
 
+def read_log(path, step):
+    """log.jsonl's records up to `step` (the checkpoint's; later ones are redone). A cut last line (killed while
+    appending) is dropped with a notice; a bad line before it is an error naming it."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = [line for line in f.read().split("\n") if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path} line {i + 1} is not JSON ({e}): fix or remove that line") from None
+            print(f"{path}: dropping its cut last line ({len(line)} characters; killed while writing it)")
+    return [r for r in records if r["step"] <= step]
+
+
+def write_log(path, records):
+    """all of log.jsonl at once, through a rename: a kill mid-write leaves the old file, never an empty one"""
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(path + ".tmp", path)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # the loop
 # ------------------------------------------------------------------------------------------------------------------
-def resolve(cfg):
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
-    if cfg.logprob_impl == "auto":  # the Triton kernel runs on CPU only under TRITON_INTERPRET=1, slowly
-        cfg.logprob_impl = "fused" if dev.type == "cuda" else "chunked"
-    checks = [("task", tuple(TASKS)), ("loss_type", ("grpo", "bnpo", "dr_grpo", "dapo")),
-              ("scale_rewards", ("group", "batch", "none")), ("logprob_impl", ("fused", "chunked", "naive")),
-              ("dtype", ("float32", "bfloat16"))]  # float16 would need a loss scaler, which this loop has not
-    for key, ok in checks:
-        if getattr(cfg, key) not in ok:
-            raise ValueError(f"--{key}={getattr(cfg, key)!r}: use one of {ok}")
-    if cfg.group_size < 2:
-        raise ValueError("--group_size must be >= 2: the advantage is a reward minus its group's mean")
-    return dev, getattr(torch, cfg.dtype)
-
-
 def make_optimizer(policy, cfg, dt):
     """AdamW over float32 weights. For a bf16 run the model itself holds dt copies (generation, forward and
     backward all run in dt) and the optimizer holds float32 masters, rounded into the model after each step:
@@ -361,22 +515,35 @@ def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
 
 
 def train(argv):
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-
-    from batching import prepare_buffer, rollout, update_step
     t_start = time.time()
     cfg = parse_config(argv)
-    dev, dt = resolve(cfg)
+    dev, dt = resolve(cfg)  # every value checked: a bad one is refused before anything loads or is written
     print("config:", json.dumps(vars(cfg)), f"(resolved device={dev}, logprob_impl={cfg.logprob_impl})")
+    make_prompts, reward_fn = TASKS[cfg.task]
+    eval_set = held_out_set(make_prompts, cfg.eval_size, cfg.difficulty)
+    check_training_pool(make_prompts, cfg.seed * 100_003 + 1, cfg.difficulty, {q for q, _ in eval_set})
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    lock = take_lock(cfg.out_dir)
+    try:
+        return run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start)
+    finally:
+        if os.path.exists(lock):
+            os.remove(lock)
+
+
+def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
+    from tqdm import tqdm
+
+    from batching import prepare_buffer, rollout, update_step
+    ckpt = prepare_out_dir(cfg)
+    state = read_trainer_state(ckpt) if ckpt else None
+    if state:
+        check_resume_config(state["config"], cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    base = resolve_model_path(cfg.model, cfg.gguf_dir)
-    ckpt = checkpoint_dir(cfg) if cfg.resume else None
-    tokenizer = AutoTokenizer.from_pretrained(ckpt or base)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    base = resolve_model_path(cfg.model, cfg.gguf_dir)  # on resume the policy comes from ckpt, the reference from here
+    tokenizer = load_tokenizer(ckpt or base)
+    encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)  # max_prompt_len: said before loading
     policy = load_model(ckpt or base, dev)
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -384,23 +551,21 @@ def train(argv):
     if cfg.beta > 0:  # k3 KL anchor: the initial weights, frozen
         ref_model = load_model(base, dev).to(dt).eval().requires_grad_(False)
     optimizer, master = make_optimizer(policy, cfg, dt)
-    make_prompts, reward_fn = TASKS[cfg.task]
-    eval_set = held_out_set(make_prompts, cfg.eval_size, cfg.difficulty)
+    reward_fn, reward_count = guard_reward(reward_fn)
     eval_questions = {q for q, _ in eval_set}
     log_path = os.path.join(cfg.out_dir, "log.jsonl")
     step = 0
-    if ckpt:
-        step = restore_trainer_state(ckpt, optimizer)
-        records = [json.loads(l) for l in open(log_path)] if os.path.exists(log_path) else []
-        records = [r for r in records if r["step"] <= step]  # drop steps logged after the checkpoint
+    if state:
+        step = restore_trainer_state(state, optimizer)
+        del state
+        records = read_log(log_path, step)  # steps logged after the checkpoint are dropped (and redone)
         print(f"resumed from {ckpt} at step {step}")
     else:
         records = []
         acc, fmt = evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev)
         records.append(dict(step=0, eval_accuracy=acc, eval_format=fmt, minutes=(time.time() - t_start) / 60))
         print(f"step 0: held-out greedy accuracy {acc:.3f} (format {fmt:.3f}) on {len(eval_set)} prompts")
-    with open(log_path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+    write_log(log_path, records)
 
     pbar = tqdm(range(step + 1, cfg.max_steps + 1), initial=step, total=cfg.max_steps, desc="grpo", dynamic_ncols=True)
     for step in pbar:
@@ -422,6 +587,7 @@ def train(argv):
                                               "--group_size or --max_completion_len") from e
         # 2. rewards, one per completion, rows prompt-major (b*G + g)
         texts = tokenizer.batch_decode(buf["completion_ids"], skip_special_tokens=True)
+        errors_before = reward_count["errors"]
         scored = [reward_fn(t, batch[i // cfg.group_size][1]) for i, t in enumerate(texts)]
         rewards = torch.tensor([r for r, _ in scored], dtype=torch.float32, device=dev)  # (B*G,)
         t1 = time.time()
@@ -434,7 +600,8 @@ def train(argv):
         lens = buf["completion_mask"].sum(1).float()
         n_tok = int(buf["prompt_mask"].sum()) * cfg.group_size + int(lens.sum())
         rec = dict(step=step, reward_mean=rewards.mean().item(), reward_std=rewards.std().item(),
-                   accuracy=sum(ok for _, ok in scored) / len(scored), frac_reward_zero_std=frac_zero_std,
+                   accuracy=sum(ok for _, ok in scored) / len(scored),
+                   reward_errors=reward_count["errors"] - errors_before, frac_reward_zero_std=frac_zero_std,
                    completion_len_mean=lens.mean().item(), completion_len_max=int(lens.max()),
                    truncated=buf["truncated"].float().mean().item(), **stats, micro_batches=len(mbs),
                    lr=optimizer.param_groups[0]["lr"], gen_s=t1 - t0, update_s=t2 - t1, tokens_per_s=n_tok / (t2 - t0),
@@ -475,6 +642,8 @@ def format_record(r):
          f"loss {r['loss']:.4f} clip {r['clip_ratio']:.3f} (lo {r['clip_low']:.3f} hi {r['clip_high']:.3f}) "
          f"ent {r['entropy']:.3f} gnorm {r['grad_norm']:.3f} gen {r['gen_s']:.1f}s upd {r['update_s']:.1f}s "
          f"{r['tokens_per_s']:.0f} tok/s {r['peak_gib']:.1f}GiB")
+    if r.get("reward_errors"):
+        s += f" reward_errors {r['reward_errors']}"
     if "kl" in r:
         s += f" kl {r['kl']:.4f}"
     if "eval_accuracy" in r:

@@ -111,6 +111,11 @@ def lower_right_sdpa(module, query, key, value, attention_mask, dropout=0.0, sca
     if not isinstance(attention_mask, LowerRightCausal):  # what "sdpa" would be without us, looked up per call
         sdpa = HF_SDPA[0] or type(ALL_ATTENTION_FUNCTIONS)._global_mapping["sdpa"]  # (AttentionInterface.register)
         return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if torch.is_autocast_enabled(query.device.type):
+        # CausalBias hands SDPA to the kernels below autocast, which would have cast q/k/v to one dtype; under
+        # autocast with float32 weights RoPE leaves q/k float32 and v bf16, so cast them here as autocast would
+        dt = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dt), key.to(dt), value.to(dt)
     # (N, h, C, D) queries over (N, kvh, P'+C, D) keys: query t sees keys <= P'+t (flash: is_causal, bottom-right)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=causal_lower_right(query.shape[-2], key.shape[-2]), dropout_p=dropout,

@@ -544,6 +544,31 @@ def test_kv_bad_inputs_and_unsupported_models():
         assert ids[r, :n].tolist() == want and (ids[r, n:] == 0).all(), f"fallback row {r}: {ids[r].tolist()} {want}"
 
 
+@check
+@_kv_one_thread
+def test_kv_autocast_fp32_weights_matches_bf16():
+    """completion_hidden under torch.autocast(bf16) with float32 weights (another trainer's mixed precision): the
+    lower-right path got q/k float32 (RoPE) and v bf16 in SDPA. Its log-probs match a bf16 model's without autocast
+    within bf16 noise (measured ~2e-3), and reuse gradients match the full path's under autocast"""
+    import copy
+    import kv_reuse
+    G = 3
+    for arch in ("llama",):
+        model = _kv_model(arch)
+        bf16 = copy.deepcopy(model).to(torch.bfloat16)
+        for lens in ((7, 1, 4), (7, 7, 7)):  # padded prompts (HF sdpa) and none (lower-right CausalBias)
+            batch = _kv_batch(G=G, prompt_lens=lens, seed=11)
+            with torch.no_grad():
+                want = _kv_logp(bf16, kv_reuse.completion_hidden(bf16, *batch, G), batch[2]) * batch[3]
+            got = {}
+            for reuse in (False, True):
+                with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                    got[reuse] = _kv_loss_and_grads(model, batch, G, reuse)
+                assert_close(got[reuse][0], want, 1e-2, f"{arch} {lens} reuse={reuse} autocast vs bf16")
+            for n, g in got[False][1].items():
+                assert_close(got[True][1][n], g, 2e-2, f"{arch} {lens} autocast grad {n}")
+
+
 def _kv_generate_reference(model, prompt_ids, prompt_mask, max_new_tokens, eos):
     """model.generate greedy on each prompt alone (unpadded), row by row"""
     rows = []
@@ -982,20 +1007,307 @@ def test_grpo_config_errors_and_types():
 
 @check
 def test_grpo_rewards_verify_answers():
-    import grpo
-    r = grpo.arithmetic_reward
+    import tasks
+    r = tasks.arithmetic_reward
     assert r("12 + 5 = 17. The answer is 17.", 17) == (1.0, True)
     assert r("The answer is 16. No wait, the answer is: -3", -3) == (1.0, True)  # the last one counts
     assert r("The answer is 16.", 17) == (0.1, False)  # format only
     assert r("12 + 5 = 17", 17) == (0.0, False)
-    c = grpo.countdown_reward
+    c = tasks.countdown_reward
     assert c("The answer is (3 + 5) * 2.", ((2, 3, 5), 16)) == (1.0, True)
     assert c("The answer is 3 * 5 + 2", ((2, 3, 5), 17)) == (1.0, True)
     assert c("The answer is 3 + 5", ((2, 3, 5), 8)) == (0.1, False)  # must use every number
     assert c("The answer is __import__('os')", ((2, 3, 5), 8)) == (0.0, False)
-    assert c("The answer is 2 ** 3 * 5", ((2, 3, 5), 40)) == (0.1, False)  # no power operator (9**9**9 hangs)
-    for prompts in (grpo.arithmetic_prompts, grpo.countdown_prompts):
+    assert c("The answer is 2 ** 3 * 5", ((2, 3, 5), 40)) == (0.0, False)  # no power operator: not an answer
+    assert c("The answer is 20 / 5 * 3", ((3, 5, 20), 12)) == (1.0, True)  # exact division
+    assert c("The answer is 3 - 5", ((3, 5), 2)) == (0.1, False)  # a wrong value: the format's 0.1
+    for prompts in (tasks.arithmetic_prompts, tasks.countdown_prompts):
         assert prompts(5, 3, 2) == prompts(5, 3, 2) and prompts(5, 3, 2) != prompts(5, 4, 2), "seeded"
+
+
+@check
+def test_tasks_rewards_never_raise_on_hostile_strings():
+    """rewards run on whatever the policy writes: a run of 3000 unary minus signs (RecursionError in eval), 9**9**9
+    (would never return), a 5000-digit number (int() raises past 4300 digits) all score 0, quickly"""
+    import random
+    from fractions import Fraction
+    import tasks
+    nums = ((2, 3, 5), 16)
+    hostile = ["-" * 3000 + "(3 + 5) * 2", "- " * 60 + "(3 + 5) * 2", "9**9**9", "1" * 5000,
+               "(" * 500 + "2" + ")" * 500, "99999999 * 99999999 * 99999999 * 99999999", "(3 + 5) / 0 * 2",
+               "3 + 5 * 2 ("]
+    t0 = time.time()
+    for s in hostile:
+        assert tasks.countdown_reward("The answer is " + s, nums) == (0.0, False), s[:40]
+        assert tasks.arithmetic_reward("The answer is " + s, 16)[1] is False, s[:40]
+    assert tasks.arithmetic_reward("The answer is " + "1" * 5000, 16) == (0.0, False)
+    assert tasks.arithmetic_reward("The answer is 1,234", 1234) == (1.0, True)
+    assert tasks.safe_eval("(3 + 5) * 2") == 16 and tasks.safe_eval("7 / 2") == Fraction(7, 2)
+    assert tasks.safe_eval("--3") == 3 and tasks.safe_eval("2 ** 3") is None and tasks.safe_eval("x") is None
+    assert tasks.parse_int("-1,234") == -1234 and tasks.parse_int("1" * 21) is None
+    rng = random.Random(0)  # and no string of the characters the answer regex admits ever raises
+    for _ in range(2000):
+        s = "".join(rng.choice("0123456789+-*/() ") for _ in range(rng.randint(1, 300)))
+        tasks.countdown_reward("The answer is " + s, nums)
+        tasks.arithmetic_reward("The answer is " + s, 16)
+    assert time.time() - t0 < 5, f"{time.time() - t0:.1f}s"
+
+
+@check
+def test_grpo_reward_that_raises_scores_zero_and_is_counted():
+    """a user reward that raises on some completions: those score 0, the run goes on, each step logs
+    reward_errors, and the traceback is printed once"""
+    import contextlib
+    import io
+    import tempfile
+    import grpo
+    prompts, reward = grpo.TASKS["arithmetic"]
+
+    def flaky(text, target):
+        if len(text) % 2:
+            raise KeyError("flaky reward")
+        return float("nan") if len(text) % 4 == 2 else 1.0, False  # a NaN reward counts as a failure too
+    grpo.TASKS["arithmetic"] = (prompts, flaky)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            res = grpo.train(_train_args(tempfile.mkdtemp(), 2, "--temperature=2.0", "--eval_every=0"))
+    finally:
+        grpo.TASKS["arithmetic"] = (prompts, reward)
+    steps = [r for r in res.records if "reward_errors" in r]
+    assert [r["step"] for r in steps] == [1, 2] and sum(r["reward_errors"] for r in steps) > 0, steps
+    assert all(0 <= r["reward_mean"] <= 1 for r in steps)
+    assert err.getvalue().count("Traceback") == 1 and "flaky reward" in err.getvalue(), err.getvalue()[-2000:]
+
+
+@check
+def test_grpo_config_checked_before_anything_loads():
+    """every config key has a check; each bad value is refused by name, value and range, all in one error, before
+    out_dir is created or a model is looked up (a missing local path never reaches the hub)"""
+    import shutil
+    import tempfile
+    import grpo
+    import tasks
+    covered = set(grpo.CHOICES) | set(grpo.RANGES) | set(grpo.FREE_KEYS)
+    assert set(grpo.CONFIG_KEYS) <= covered, f"config keys without a check: {set(grpo.CONFIG_KEYS) - covered}"
+    bad = {"lr": ("-1e-5", "finite and > 0"), "epsilon": ("-0.2", "[0, 1]"), "epsilon_high": ("-0.1", ">= 0"),
+           "beta": ("-0.1", ">= 0"), "top_p": ("0", "(0, 1]"), "temperature": ("0", "> 0"),
+           "prompts_per_step": ("0", ">= 1"), "num_iterations": ("0", ">= 1"), "max_steps": ("0", ">= 1"),
+           "max_completion_len": ("0", ">= 1"), "group_size": ("1", ">= 2"), "eval_size": ("0", ">= 1"),
+           "grad_clip": ("1e999", "finite"), "loss_type": ("ppo", "one of"), "seed": ("-1", "[0, 2**32)")}
+    out = os.path.join(tempfile.mkdtemp(), "never_made")
+    args = [f"--{k}={v}" for k, (v, _) in bad.items()] + [f"--out_dir={out}", "--model=./no/such/model_dir"]
+    t0 = time.time()
+    try:
+        grpo.train(args)
+        raise AssertionError("bad config accepted")
+    except ValueError as e:
+        msg = str(e)
+    assert time.time() - t0 < 5, "the missing model path went to the hub"
+    for k, (v, why) in bad.items():
+        line = next((l for l in msg.splitlines() if l.strip().startswith(f"--{k}=")), "")
+        assert why in line and str(grpo.parse_config([f"--{k}={v}"]).__dict__[k]) in line, (k, msg)
+    assert "no such directory" in msg and not os.path.exists(out), msg
+    cfg = lambda *a: grpo.resolve(grpo.parse_config(list(a)))  # noqa: E731
+    assert_raises(ValueError, lambda: cfg("--task=countdown", "--difficulty=30"), "--difficulty=30: countdown "
+                  f"samples difficulty 1..{tasks.MAX_DIFFICULTY['countdown']}")
+    t0 = time.time()  # the generator itself is bounded: at difficulty 30 it used to run for hours
+    assert_raises(ValueError, lambda: tasks.countdown_prompts(5, 0, 30), "difficulty")
+    assert time.time() - t0 < 5
+    assert_raises(ValueError, lambda: cfg("--resume=True", "--overwrite=True"), "not both")
+    if not GPU:
+        assert_raises(ValueError, lambda: cfg("--device=cuda"), "--device=auto or --device=cpu")
+    no_tok = tempfile.mkdtemp()  # a model directory without its tokenizer files
+    for f in os.listdir(_tiny_model_dir()):
+        if f.startswith(("config", "model", "generation")):
+            shutil.copy(os.path.join(_tiny_model_dir(), f), no_tok)
+    assert_raises(ValueError, lambda: cfg(f"--model={no_tok}"), "no tokenizer files")
+    assert_raises(ValueError, lambda: cfg(f"--model={tempfile.mkdtemp()}"), "no config.json")
+    cfg(f"--model={_tiny_model_dir()}", "--device=cpu")  # the real one passes
+    assert_raises(ValueError, lambda: cfg("--resume=True", f"--out_dir={out}"), "no --out_dir")
+    out = tempfile.mkdtemp()  # a too-small max_prompt_len: said after the tokenizer, before the model, loads
+    res, log = _train_output(_train_args(out, 1, "--max_prompt_len=5"))
+    assert isinstance(res, ValueError) and "max_prompt_len=5" in str(res) and "Loading weights" not in log, res
+    assert os.listdir(out) == [], os.listdir(out)
+
+
+@check
+def test_grpo_train_prompts_never_run_dry():
+    """prompts_per_step=1 with 1-digit arithmetic (100 of its 200 questions held out): the one-draw source died at
+    step 11 (and at step 11 again on every resume). The stream is endless, skips the held-out set, and depends on
+    (seed, step) alone; where the first draw sufficed it gives what it gave before"""
+    import grpo
+    make = grpo.TASKS["arithmetic"][0]
+    held = {q for q, _ in grpo.held_out_set(make, 100, 1)}
+    for n in (1, 2, 32):
+        for step in range(1, 41):
+            seed = 1337 * 100_003 + step
+            got = grpo.train_prompts(make, n, seed, 1, held)
+            assert len(got) == n and not {q for q, _ in got} & held, (n, step)
+            assert got == grpo.train_prompts(make, n, seed, 1, held)
+            first = [p for p in make(4 * n, seed, 1) if p[0] not in held]
+            if len(first) >= n:
+                assert got == first[:n], "the first draw changed"
+    assert_raises(ValueError, lambda: grpo.check_training_pool(
+        make, 1, 1, {q for q, _ in grpo.held_out_set(make, 200, 1)}), "lower --eval_size")
+
+
+
+def _run_dir(steps=1, *extra):
+    """a finished tiny run (its out_dir), copied fresh for each use from one cached run per (steps, extra)"""
+    import shutil
+    import tempfile
+    key = ("run", steps, extra)
+    if key not in _TINY:
+        _TINY[key] = tempfile.mkdtemp(prefix="nanogrpo_run_")
+        _quiet_train(_train_args(_TINY[key], steps, "--eval_every=0", *extra))
+    out = tempfile.mkdtemp(prefix="nanogrpo_copy_")
+    shutil.rmtree(out)
+    shutil.copytree(_TINY[key], out)
+    return out
+
+
+def _train_output(args):
+    """(result or the exception, stdout + stderr) of grpo.train"""
+    import contextlib
+    import io
+    import grpo
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        try:
+            return grpo.train(args), buf.getvalue()
+        except Exception as e:  # noqa: BLE001 - the caller checks it
+            return e, buf.getvalue()
+
+
+@check
+def test_grpo_checkpoint_recovers_from_every_kill_point():
+    """each on-disk state a kill inside save_checkpoint can leave (or a kill inside the recovery itself) becomes one
+    plain ckpt/ holding the newest complete save; and a resume from the state that wedged every later save
+    ("Directory not empty": ckpt/ and ckpt.old/ both complete) saves and finishes"""
+    import shutil
+    import tempfile
+    import grpo
+
+    def make(out, name, tag, complete=True):
+        os.makedirs(os.path.join(out, name))
+        with open(os.path.join(out, name, "tag"), "w") as f:
+            f.write(tag)
+        if complete:
+            open(os.path.join(out, name, "trainer_state.pt"), "w").close()
+        else:  # killed mid torch.save: only the .part exists
+            open(os.path.join(out, name, "trainer_state.pt.part"), "w").close()
+
+    states = [  # (dirs present as (name, tag, complete), the tag the recovered ckpt must hold)
+        ([("ckpt", "old", True), ("ckpt.tmp", "new", False)], "old"),  # killed while writing tmp
+        ([("ckpt.tmp", "new", False)], None),  # ...during the first save: nothing to resume
+        ([("ckpt", "old", True), ("ckpt.tmp", "new", True)], "new"),  # tmp complete, before the swap
+        ([("ckpt.old", "old", True), ("ckpt.tmp", "new", True)], "new"),  # between the two renames
+        ([("ckpt", "new", True), ("ckpt.old", "old", True)], "new"),  # before ckpt.old's removal (the wedge)
+        ([("ckpt", "new", True), ("ckpt.old", "old", False)], "new"),  # during ckpt.old's removal
+        ([("ckpt", "mid", True), ("ckpt.old", "old", True), ("ckpt.tmp", "new", True)], "new"),  # in a recovery
+        ([("ckpt.old", "old", True)], "old"),
+    ]
+    for dirs, want in states:
+        out = tempfile.mkdtemp()
+        for d in dirs:
+            make(out, *d)
+        got = grpo.recover_checkpoint(out)
+        left = sorted(os.listdir(out))
+        assert left == ([] if want is None else ["ckpt"]), (dirs, left)
+        if want is not None:
+            assert got == os.path.join(out, "ckpt") and open(os.path.join(got, "tag")).read() == want, dirs
+    out = tempfile.mkdtemp()  # killed before its first save: a log, a partial ckpt.tmp; resume starts at step 0
+    make(out, "ckpt.tmp", "new", complete=False)
+    open(os.path.join(out, "log.jsonl"), "w").write('{"step": 0, "eval_accuracy": 0.0}\n{"step": 1, "rew')
+    res, log = _train_output(_train_args(out, 1, "--resume=True", "--eval_every=0"))
+    assert not isinstance(res, Exception) and [r["step"] for r in res.records] == [0, 1], f"{res!r}\n{log[-1500:]}"
+    out = _run_dir(1)  # the wedge, for real: ckpt/ (step 1) and a complete ckpt.old/ beside it
+    shutil.copytree(os.path.join(out, "ckpt"), os.path.join(out, "ckpt.old"))
+    res, log = _train_output(_train_args(out, 2, "--resume=True", "--eval_every=0"))
+    assert not isinstance(res, Exception), f"{res!r}\n{log[-1500:]}"
+    assert [r["step"] for r in res.records] == [0, 1, 2] and sorted(os.listdir(out)) == ["ckpt", "curves.png",
+                                                                                       "log.jsonl"], os.listdir(out)
+
+
+@check
+def test_grpo_resume_log_and_config_rules():
+    """resume: a cut last log line is dropped with a notice; the log rewrite is atomic; a structural change (model,
+    group_size, task, ...) is refused naming each key and both values; lr/max_steps changes pass with a notice;
+    corrupt weights, tokenizer or trainer state are named"""
+    import json
+    import shutil
+    import tempfile
+    import grpo
+    out = _run_dir(1)
+    log_path = os.path.join(out, "log.jsonl")
+    with open(log_path, "a") as f:
+        f.write('{"step": 2, "reward_me')  # killed while appending step 2
+    res, log = _train_output(_train_args(out, 2, "--resume=True", "--eval_every=0", "--lr=2e-5"))
+    assert not isinstance(res, Exception), f"{res!r}\n{log[-1500:]}"
+    assert "dropping its cut last line" in log and "resume: --lr changed from 1e-05 to 2e-05" in log, log[-1500:]
+    assert [json.loads(l)["step"] for l in open(log_path)] == [0, 1, 2]
+    before = open(log_path).read()  # a kill in the middle of the rewrite (here: a record that cannot be written)
+    assert_raises(TypeError, lambda: grpo.write_log(log_path, [{"step": 0}, {"step": object()}]), "JSON")
+    assert open(log_path).read() == before, "the log was changed by a rewrite that did not finish"
+    other = tempfile.mkdtemp()
+    for f in os.listdir(_tiny_model_dir()):
+        shutil.copy(os.path.join(_tiny_model_dir(), f), other)
+    res, log = _train_output(_train_args(out, 3, "--resume=True", "--group_size=2", f"--model={other}",
+                                         "--max_completion_len=9"))
+    assert isinstance(res, ValueError), res
+    for k, a, b in (("group_size", 4, 2), ("model", repr(_tiny_model_dir()), repr(other)),
+                    ("max_completion_len", 8, 9)):
+        assert f"--{k} was {a}, now {b}" in str(res), (k, str(res))
+    assert "loading" not in log.lower() and [json.loads(l)["step"] for l in open(log_path)] == [0, 1, 2]
+    for f, what in (("model.safetensors", "model"), ("tokenizer.json", "tokenizer"),
+                    ("trainer_state.pt", "trainer state")):
+        bad = _run_dir(1)
+        with open(os.path.join(bad, "ckpt", f), "r+b") as fh:
+            fh.truncate(40)  # cut short
+        res, _ = _train_output(_train_args(bad, 2, "--resume=True"))
+        assert isinstance(res, ValueError) and f"could not load the {what}" in str(res) and f in str(res), (f, res)
+
+
+@check
+def test_grpo_out_dir_never_overwritten_and_locked():
+    """an earlier run is refused without --resume/--overwrite (and untouched); --overwrite replaces it; a live run's
+    LOCK keeps a second run out, a dead run's LOCK (same host) is taken over, another host's is refused"""
+    import json
+    import socket
+    import subprocess
+    import grpo
+    out = _run_dir(1)
+    before = {f: os.path.getmtime(os.path.join(out, f)) for f in ("log.jsonl", "ckpt")}
+    res, _ = _train_output(_train_args(out, 1))
+    assert isinstance(res, ValueError) and "--overwrite=True" in str(res) and "log.jsonl" in str(res), res
+    assert before == {f: os.path.getmtime(os.path.join(out, f)) for f in before} and "LOCK" not in os.listdir(out)
+    res, log = _train_output(_train_args(out, 1, "--overwrite=True", "--eval_every=0", "--save_every=0",
+                                         "--max_steps=1", "--seed=7"))
+    assert not isinstance(res, Exception), f"{res!r}\n{log[-1500:]}"
+    assert "removed the earlier run" in log and "LOCK" not in os.listdir(out)
+    lock = os.path.join(out, "LOCK")
+    with open(lock, "w") as f:  # a live run: this process
+        json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+    res, _ = _train_output(_train_args(out, 2, "--resume=True"))
+    assert isinstance(res, ValueError) and "in use by a live run" in str(res), res
+    with open(lock, "w") as f:
+        json.dump({"pid": 1, "host": "another-host"}, f)
+    res, _ = _train_output(_train_args(out, 2, "--resume=True"))
+    assert isinstance(res, ValueError) and "another-host" in str(res), res
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)  # exited, not reaped: what a killed run is in a container without an init
+    assert not grpo.pid_alive(zombie.pid)
+    zombie.wait()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is gone now
+    with open(lock, "w") as f:
+        json.dump({"pid": dead.pid, "host": socket.gethostname()}, f)
+    res, log = _train_output(_train_args(out, 2, "--resume=True", "--eval_every=0", "--seed=7"))
+    assert not isinstance(res, Exception), f"{res!r}\n{log[-1500:]}"
+    assert "taking over" in log and res.records[-1]["step"] == 2 and not os.path.exists(lock)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 
