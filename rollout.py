@@ -45,7 +45,8 @@ MIN_BUCKET = 8  # compaction never goes below this many slots
 COMPACT_MIN_STEPS = 32  # compact only if at least this many steps may remain (a capture costs ~2 steps)
 ATTENTION = "auto"  # decode attention: triton | torch | auto (triton on CUDA, torch elsewhere)
 SAMPLER = "auto"  # triton (Gumbel-max kernel; temperature only) | torch (any top-k/top-p) | auto: triton if it can
-COMPILE = True  # on CUDA: torch.compile the decode forward (fuses norms, RoPE, MLP; attention stays ours)
+COMPILE = True  # on CUDA: torch.compile the decode forward (fuses norms, RoPE, MLP; attention stays ours)...
+COMPILE_MIN_TOKENS = 512  # ...from this many new tokens on: the first compile costs ~20 s, a step saves ~1 ms
 BLOCK_N = 64  # keys per block in the split kernel
 NUM_WARPS, NUM_STAGES = 4, 3  # the split kernel's launch
 SPLIT_WAVES = 2  # key splits: enough (slot, K/V head, split) programs to fill the GPU this many times over
@@ -56,14 +57,14 @@ LAST = {}  # the last call's decode statistics: buckets visited, steps, attentio
 
 
 @triton.jit
-def _softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale):
+def _softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
     """one online-softmax step of (QPK_PAD, D) queries over a (BLOCK_N, D) block of keys/values (log2 units)"""
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # (QPK_PAD, BLOCK_N)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (QPK_PAD, BLOCK_N)
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))  # every block has a valid key, so m_new is finite
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
 
 @triton.jit
@@ -72,7 +73,7 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_p
                          stride_qn, stride_qh, stride_nn, stride_nh,
                          stride_pb, stride_ph, stride_pl, stride_cn, stride_ch, stride_cl,
                          QPK: tl.constexpr, QPK_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         SPLITS: tl.constexpr):
+                         SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     """program (slot, kv head, split): the QPK query heads of one K/V head against one contiguous range [lo, hi) of
     the row's keys, numbered [prompt's real columns | completion columns 0..t]; t = slot_ptr[0] is this step's
     column. The split that owns column t first stores this step's K/V there (knew/vnew)."""
@@ -110,7 +111,7 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_p
         ptrs = p_base + offs_j[:, None] * stride_pl + offs_d[None, :]
         k = tl.load(pk_ptr + ptrs, mask=valid[:, None], other=0.)
         v = tl.load(pv_ptr + ptrs, mask=valid[:, None], other=0.)
-        m_i, l_i, acc = _softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale)
+        m_i, l_i, acc = _softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale, PRECISION)
     # keys [lo, hi) in the completion: columns j - n_pre of this row's cache
     hi_c = hi - n_pre
     for j0 in range(tl.maximum(lo - n_pre, 0), hi_c, BLOCK_N):
@@ -119,7 +120,7 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_p
         ptrs = c_off + offs_j[:, None] * stride_cl + offs_d[None, :]
         k = tl.load(ck_ptr + ptrs, mask=valid[:, None], other=0.)
         v = tl.load(cv_ptr + ptrs, mask=valid[:, None], other=0.)
-        m_i, l_i, acc = _softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale)
+        m_i, l_i, acc = _softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale, PRECISION)
     l_safe = tl.where(l_i > 0, l_i, 1.)
     nh = pid_n * (QPK * tl.num_programs(1)) + heads  # flat (slot, head)
     if SPLITS == 1:  # the only split: write the output itself, (n, 1, h, D)
@@ -163,6 +164,7 @@ def decode_attention_triton(q, k_new, v_new, layer, st, scale):
         scale * 1.4426950408889634, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
         pk.stride(0), pk.stride(1), pk.stride(2), ck.stride(0), ck.stride(1), ck.stride(2),
         QPK=QPK, QPK_PAD=max(16, triton.next_power_of_2(QPK)), D=D, BLOCK_N=BLOCK_N, SPLITS=S,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # an fp32 model gets fp32 attention, not TF32
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if S > 1:
         _decode_merge_kernel[(n * h,)](o, lse, out, D=D, SPLITS=S, num_warps=1)
@@ -346,11 +348,16 @@ def model_forward(model, tok, pos):
 COMPILED = {}
 
 
-def compiled_forward():
+def compiled_forward(model, tok, pos):
     """model_forward through torch.compile, once per process, with dynamic shapes: the slot count changes from
     bucket to bucket, and the attention's graph break starts a new frame per layer whose inputs mark_dynamic would
-    not reach, so static shapes would recompile every layer's frame at every new bucket size"""
-    return COMPILED.setdefault("forward", torch.compile(model_forward, dynamic=True))
+    not reach, so static shapes would recompile every layer's frame at every new bucket size. Without duck sizing:
+    it would tie the slot count to any model dimension of the same size at trace time (128 slots = 2 K/V heads x 64)
+    and recompile when a bucket breaks the tie (seen: 5-8 s inside a timed run)."""
+    from torch.fx.experimental import _config as fx_config  # private, but in torch 2.1 through 2.13
+    fn = COMPILED.setdefault("forward", torch.compile(model_forward, dynamic=True))
+    with fx_config.patch(use_duck_shape=False):
+        return fn(model, tok, pos)
 
 
 def num_splits(n, kvh, device):
@@ -397,7 +404,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
     N, T = B * G, max_new_tokens
     attn_impl = ("triton" if dev.type == "cuda" else "torch") if ATTENTION == "auto" else ATTENTION
     graph = CUDA_GRAPH and dev.type == "cuda"
-    compiled = COMPILE and dev.type == "cuda"
+    compiled = COMPILE and dev.type == "cuda" and T >= COMPILE_MIN_TOKENS
     was_training = model.training
     model.eval()  # no dropout, no checkpointing while sampling
     try:
@@ -439,7 +446,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
 
             def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)
                 with decode_step(model, st):
-                    return (compiled_forward() if compiled else model_forward)(model, sl.tok, sl.pos)
+                    return (compiled_forward if compiled else model_forward)(model, sl.tok, sl.pos)
 
             def step():
                 new = draw(forward()).masked_fill(sl.done, pad)  # (n,)

@@ -704,9 +704,10 @@ if GPU:
                         buckets = rollout.LAST["buckets"]
                 name = f"T={temperature} compile={compile_}"
                 assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1]), name
-                assert len(buckets) > 1 and out[True][0].shape[1] > 100, f"{name}: {buckets}, {out[True][0].shape}"
-            if temperature == 0:  # fp32 here: torch.compile's fused kernels change no greedy token
-                greedy[compile_] = out[True]
+                if temperature > 0:  # (greedy on a random model repeats itself and never reaches EOS)
+                    assert len(buckets) > 1 and out[True][0].shape[1] > 100, f"{name}: {buckets}, {out[True][0].shape}"
+                if temperature == 0:  # fp32 here: torch.compile's fused kernels change no greedy token
+                    greedy[compile_] = out[True]
         assert torch.equal(greedy[False][0], greedy[True][0]), "compiled decode != plain decode (greedy, fp32)"
         reserved = []
         for i in range(10):
