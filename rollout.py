@@ -15,8 +15,11 @@ A decode step of B*G rows must read every weight once plus every live row's K/V.
    skips them), and after a compaction they skip the matmuls too. No K/V is copied: only the slot -> row map moves.
 
 Each decode step (model forward, sampling, bookkeeping) is one CUDA graph replay; the host only checks "done" every
-CHECK_EVERY steps. Sampling inside the graph uses the exponential race, argmax(p / E) with E ~ Exp(1), which draws
-token k with probability p_k and needs no host sync (torch.multinomial does).
+CHECK_EVERY steps. Sampling needs no host sync: Gumbel-max, argmax_k (logit_k / T - log(-log u_k)), in one Triton
+pass over the logits (temperature only), or the exponential race argmax_k p_k / E_k, E_k ~ Exp(1), in torch ops
+behind HF's top-k/top-p warpers; both draw k with probability p_k (torch.multinomial would sync). On CUDA, for
+rollouts of COMPILE_MIN_TOKENS or more, the forward is torch.compile'd, which fuses the ~30 small elementwise
+kernels a layer runs in eager mode (RMSNorm, RoPE, SiLU, residuals) into a handful.
 
 The model runs as transformers builds it; only its attention function changes for the decode step (registered as
 "nanogrpo_decode" and switched in for the step), so any llama/qwen2/qwen3-style checkpoint works, and other models
@@ -197,8 +200,10 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, **
     global rather than a forward argument, so that torch.compile never sees, guards on or re-traces it).
     attention_mask is None: transformers builds no mask for an attention it does not know."""
     st = DECODE_STATE[-1]
+    layer = st.layers[module.layer_idx]
+    dt = layer[0].dtype  # under autocast with fp32 weights RoPE hands back fp32 q/k beside a bf16 v: one dtype
     fn = decode_attention_triton if st.impl == "triton" else decode_attention_torch
-    return fn(query, key, value, st.layers[module.layer_idx], st, scaling), None
+    return fn(query.to(dt), key.to(dt), value.to(dt), layer, st, scaling), None
 
 
 AttentionInterface.register("nanogrpo_decode", decode_attention)
@@ -413,7 +418,10 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         cache = DynamicCache(config=model.config)
         out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, past_key_values=cache,
                     use_cache=True, logits_to_keep=1)
-        prefix = [(l.keys.contiguous(), l.values.contiguous()) for l in cache.layers]  # one layout for K and V
+        # one layout for K and V; one dtype: the autocast dtype if on (fp32 weights under autocast mix fp32 and bf16)
+        kv_dtype = (torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else
+                    cache.layers[0].keys.dtype)
+        prefix = [(l.keys.to(kv_dtype).contiguous(), l.values.to(kv_dtype).contiguous()) for l in cache.layers]
         ids = torch.full((N, T), pad, dtype=torch.long, device=dev)  # (B*G, T) every sampled token lands here
         keep = torch.zeros(N, T, dtype=torch.bool, device=dev)
         if temperature > 0 and top_k == 0 and top_p >= 1 and (SAMPLER == "triton" or (SAMPLER == "auto" and

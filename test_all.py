@@ -721,6 +721,24 @@ if GPU:
 
 @check
 @_kv_one_thread
+def test_rollout_autocast_fp32_weights():
+    """under torch.autocast(bf16) with fp32 weights (another trainer's mixed precision: RoPE hands back fp32 q/k
+    beside a bf16 v), generate_groups runs and samples what a bf16 copy of the model samples (greedy)"""
+    import copy
+    import rollout
+    model = _kv_model("qwen2", tied=True)
+    prompt_ids, prompt_mask, _, _ = _kv_batch(G=3, prompt_lens=(7, 2, 4), seed=3)
+    kw = dict(temperature=0.0, eos_token_id=[98], pad_token_id=0)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        got, _ = rollout.generate_groups(model, prompt_ids.to(DEVICE), prompt_mask.to(DEVICE), 3, 10, **kw)
+    want, _ = rollout.generate_groups(copy.deepcopy(model).to(torch.bfloat16), prompt_ids.to(DEVICE),
+                                      prompt_mask.to(DEVICE), 3, 10, **kw)
+    agree = (got == want).float().mean().item()
+    assert agree >= 0.9, f"autocast fp32 vs bf16 model: {agree:.2f} of greedy tokens agree"
+
+
+@check
+@_kv_one_thread
 def test_rollout_sampling_reproducible():
     """sampling follows torch's global RNG; top_k=1 is greedy; the G rows of a group are independent samples"""
     import rollout
