@@ -465,7 +465,13 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                 sl.tok.copy_(new[:, None])
                 sl.pos.add_(1)
                 slot.add_(1)
-            return graphed(step, forward) if graph else step
+            if not graph:
+                return step
+            try:
+                return graphed(step, forward)
+            except Exception as e:  # a failed capture leaves CUDA state (RNG offsets, pools) unusable: stop here
+                raise RuntimeError("rollout.generate_groups: CUDA graph capture of the decode step failed (e.g. a "
+                                   "host sync inside this model's forward); set rollout.CUDA_GRAPH = False") from e
 
         step = make_step(slots)
         s = 1
