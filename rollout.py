@@ -237,59 +237,74 @@ def make_warpers(temperature, top_p, top_k):
 
 
 def sample(logits, warpers):
-    """(n, V) logits -> (n,) tokens with torch ops (any warpers). Exponential race: argmax_k p_k / E_k with E_k ~
-    Exp(1) iid picks k with probability p_k (the minimum of independent Exp(p_k)), with no host sync. E is clamped
-    away from 0, where a token of probability 0 would tie."""
-    if warpers is None:
-        return logits.argmax(-1)
+    """(n, V) logits -> (n,) tokens with torch ops (any warpers), and their log-probs under the distribution they
+    were drawn from (greedy: plain softmax). Exponential race: argmax_k p_k / E_k with E_k ~ Exp(1) iid picks k with
+    probability p_k (the minimum of independent Exp(p_k)), with no host sync. E is clamped away from 0, where a
+    token of probability 0 would tie."""
     logits = logits.float()
-    for w in warpers:
+    for w in warpers or []:
         logits = w(None, logits)
-    probs = torch.softmax(logits, dim=-1)
-    return (probs / torch.empty_like(probs).exponential_().clamp_min_(1e-30)).argmax(-1)
+    logp = torch.log_softmax(logits, dim=-1)
+    tok = logits.argmax(-1) if warpers is None else (logp.exp() / torch.empty_like(logp).exponential_().clamp_min_(
+        1e-30)).argmax(-1)
+    return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, best_ptr, best_k_ptr, seed_ptr, V, stride_n, inv_temp, CHUNK, BLOCK_V: tl.constexpr):
-    """program (row, chunk): over the chunk's vocabulary ids k, the max of logits[k] / T + g_k and its k, where
-    g_k = -log(-log u_k), u_k ~ U(0, 1) iid; the argmax over all k (Gumbel-max) is an exact draw from
-    softmax(logits / T), made in one read of the logits (the torch path reads and writes an fp32 (n, V) copy about
-    six times). u comes from Philox(seed, row * V + k); seed_ptr[0] changes every step."""
+def _sample_kernel(logits_ptr, part_ptr, best_k_ptr, seed_ptr, V, stride_n, inv_temp, CHUNK, BLOCK_V: tl.constexpr):
+    """program (row, chunk): over the chunk's vocabulary ids k, with z_k = logits[k] / T and g_k = -log(-log u_k),
+    u_k ~ U(0, 1) iid, the max of z_k + g_k and its k (the argmax over all k, Gumbel-max, is an exact draw from
+    softmax(z)), that k's z, and the chunk's log-sum-exp of z (for the draw's log-prob z_k - logsumexp(z)): one read
+    of the logits, where the torch path reads and writes an fp32 (n, V) copy about six times. u comes from
+    Philox(seed, row * V + k); seed_ptr[0] changes every step. part: (n, chunks, 3) = (max z+g, its z, lse)."""
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     seed = tl.load(seed_ptr)
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_z = tl.zeros([BLOCK_V], tl.float32)
     best_k = tl.zeros([BLOCK_V], tl.int64)
-    for v0 in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, V), BLOCK_V):
+    m = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per-lane running max and sum of exp(z - max)
+    s = tl.zeros([BLOCK_V], tl.float32)
+    end = tl.minimum(chunk * CHUNK + CHUNK, V)
+    for v0 in range(chunk * CHUNK, end, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
-        ok = offs < tl.minimum(chunk * CHUNK + CHUNK, V)
+        ok = offs < end
         z = tl.load(logits_ptr + row * stride_n + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_temp
-        u = tl.rand(seed, row * V + offs)  # [0, 1): u = 0 gives -inf, never picked
-        z = z - tl.log(-tl.log(u))
-        better = z > best
-        best = tl.where(better, z, best)
-        best_k = tl.where(better, offs.to(tl.int64), best_k)
+        zg = z - tl.log(-tl.log(tl.rand(seed, row * V + offs)))  # u = 0 gives -inf: never picked
+        better = zg > best
+        best, best_z, best_k = tl.where(better, zg, best), tl.where(better, z, best_z), \
+            tl.where(better, offs.to(tl.int64), best_k)
+        m_new = tl.maximum(m, z)
+        s = s * tl.exp(tl.where(m_new > float("-inf"), m - m_new, 0.)) + tl.where(ok, tl.exp(z - m_new), 0.)
+        m = m_new
     i = tl.argmax(best, 0)
+    at_i = tl.arange(0, BLOCK_V) == i
+    m_all = tl.max(m, 0)
+    lse = m_all + tl.log(tl.sum(s * tl.exp(tl.where(m > float("-inf"), m - m_all, 0.)), 0))
     out = row * tl.num_programs(1) + chunk
-    tl.store(best_ptr + out, tl.max(best, 0))
-    tl.store(best_k_ptr + out, tl.sum(tl.where(tl.arange(0, BLOCK_V) == i, best_k, 0), 0))
+    tl.store(part_ptr + out * 3, tl.max(best, 0))
+    tl.store(part_ptr + out * 3 + 1, tl.sum(tl.where(at_i, best_z, 0.), 0))
+    tl.store(part_ptr + out * 3 + 2, lse)
+    tl.store(best_k_ptr + out, tl.sum(tl.where(at_i, best_k, 0), 0))
 
 
 def sample_triton(logits, seed, temperature):
-    """(n, V) logits (any float dtype) -> (n,) tokens drawn from softmax(logits / temperature); seed (1,) int64 on the
-    device, advanced by one per call (inside a CUDA graph too). The vocabulary is split into chunks so that a few
-    rows still fill the GPU: (n, chunks) partial maxima, then their argmax."""
+    """(n, V) logits (any float dtype) -> (n,) tokens drawn from softmax(logits / temperature) and their log-probs
+    under it (n,); seed (1,) int64 on the device, advanced by one per call (inside a CUDA graph too). The vocabulary
+    is split into chunks so that a few rows still fill the GPU; the chunks' partial results are merged here."""
     n, V = logits.shape
     BLOCK_V = 2048
     sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 1
     chunks = max(1, min(triton.cdiv(V, BLOCK_V), triton.cdiv(2 * sms, n)))
     chunk = triton.cdiv(triton.cdiv(V, chunks), BLOCK_V) * BLOCK_V
     chunks = triton.cdiv(V, chunk)
-    best = torch.empty(n, chunks, dtype=torch.float32, device=logits.device)
+    part = torch.empty(n, chunks, 3, dtype=torch.float32, device=logits.device)
     best_k = torch.empty(n, chunks, dtype=torch.long, device=logits.device)
-    _sample_kernel[(n, chunks)](logits, best, best_k, seed, V, logits.stride(0), 1.0 / temperature, chunk,
+    _sample_kernel[(n, chunks)](logits, part, best_k, seed, V, logits.stride(0), 1.0 / temperature, chunk,
                                 BLOCK_V=BLOCK_V, num_warps=8)
     seed.add_(1)
-    return best_k.gather(1, best.argmax(1, keepdim=True)).squeeze(1)
+    i = part[:, :, 0].argmax(1, keepdim=True)  # (n, 1) the winning chunk
+    logp = part[:, :, 1].gather(1, i).squeeze(1) - part[:, :, 2].logsumexp(1)
+    return best_k.gather(1, i).squeeze(1), logp
 
 
 CAPTURE = {}  # device index -> [side stream, latest decode graph], reused by the next capture (see graphed)
@@ -322,7 +337,8 @@ def graphed(fn, warmup):
 
 
 @torch.no_grad()
-def hf_generate_groups(model, prompt_ids, prompt_mask, G, max_new_tokens, temperature, top_p, top_k, eos, pad):
+def hf_generate_groups(model, prompt_ids, prompt_mask, G, max_new_tokens, temperature, top_p, top_k, eos, pad,
+                       return_logprobs=False):
     """generate_groups' fallback for models its decode cannot handle: model.generate, same output format"""
     if temperature > 0:
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, num_return_sequences=G)
@@ -332,16 +348,21 @@ def hf_generate_groups(model, prompt_ids, prompt_mask, G, max_new_tokens, temper
     model.eval()
     try:
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos.tolist(), pad_token_id=pad, **sampling)
+                             eos_token_id=eos.tolist(), pad_token_id=pad, return_dict_in_generate=True,
+                             output_scores=return_logprobs, **sampling)
     finally:
         model.train(was_training)
-    ids = out[:, prompt_ids.shape[1]:]  # (B*G, T), rows b*G + g
-    ids = ids.repeat_interleave(G, 0) if temperature == 0 else ids
+    ids = out.sequences[:, prompt_ids.shape[1]:]  # (B*G, T), rows b*G + g
+    if return_logprobs:  # scores: the logits after HF's warpers, one (rows, V) per step
+        logps = torch.stack(out.scores, 1).float().log_softmax(-1).gather(2, ids[..., None]).squeeze(2)
+    ids, logps = (x.repeat_interleave(G, 0) if temperature == 0 else x for x in (ids, logps if return_logprobs
+                                                                                 else ids))
     is_eos = torch.isin(ids, eos)
     ended = is_eos.long().cumsum(1)
     keep = ((ended == 0) | ((ended == 1) & is_eos)).long()  # up to and including the first EOS
     n = int(keep.sum(1).max())
-    return ids[:, :n].masked_fill(keep[:, :n] == 0, pad), keep[:, :n]
+    out = (ids[:, :n].masked_fill(keep[:, :n] == 0, pad), keep[:, :n])
+    return out + ((logps[:, :n].masked_fill(keep[:, :n] == 0, 0),) if return_logprobs else ())
 
 
 def model_forward(model, tok, pos):
@@ -379,9 +400,11 @@ def num_splits(n, kvh, device):
 
 @torch.no_grad()
 def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
-                    top_k=0, eos_token_id=None, pad_token_id=None):
+                    top_k=0, eos_token_id=None, pad_token_id=None, return_logprobs=False):
     """G completions per prompt, (B*G, C) right-padded ids and mask (1 up to and including EOS), row = b*G + g.
-    C <= max_new_tokens: the longest row. Greedy when temperature=0. eos_token_id: int, list, or () for none."""
+    C <= max_new_tokens: the longest row. Greedy when temperature=0. eos_token_id: int, list, or () for none.
+    return_logprobs: also (B*G, C) float32, each token's log-prob under the distribution it was drawn from (after
+    temperature/top-k/top-p; greedy: plain softmax), as the sampler computed it (0 on padding)."""
     if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
         raise ValueError("prompt_ids and prompt_mask must both be (B, P)")
     if not bool((prompt_mask[:, -1] == 1).all()):
@@ -402,7 +425,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
     if why:  # the decode attention assumes full attention everywhere (no sliding window)
         warnings.warn(f"rollout.generate_groups: {why}; sampling with model.generate")
         return hf_generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature, top_p,
-                                  top_k, eos, pad)
+                                  top_k, eos, pad, return_logprobs)
     warpers = make_warpers(temperature, top_p, top_k)
     prompt_ids, prompt_mask = trim_left_padding(prompt_ids, prompt_mask.long())
     (B, P), G, dev = prompt_ids.shape, group_size, prompt_ids.device
@@ -424,14 +447,15 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         prefix = [(l.keys.to(kv_dtype).contiguous(), l.values.to(kv_dtype).contiguous()) for l in cache.layers]
         ids = torch.full((N, T), pad, dtype=torch.long, device=dev)  # (B*G, T) every sampled token lands here
         keep = torch.zeros(N, T, dtype=torch.bool, device=dev)
+        logps = torch.zeros(N, T, dtype=torch.float32, device=dev)
         if temperature > 0 and top_k == 0 and top_p >= 1 and (SAMPLER == "triton" or (SAMPLER == "auto" and
                                                                                     dev.type == "cuda")):
             seed = torch.randint(2**62, (1,), device=dev)  # from torch's generator: reproducible under manual_seed
             draw = lambda logits: sample_triton(logits, seed, temperature)
         else:
             draw = lambda logits: sample(logits, warpers)
-        tok = draw(out.logits[:, -1].repeat_interleave(G, 0))  # token 0 of every row, (B*G,)
-        ids[:, 0], keep[:, 0] = tok, True
+        tok, lp = draw(out.logits[:, -1].repeat_interleave(G, 0))  # token 0 of every row, (B*G,)
+        ids[:, 0], keep[:, 0], logps[:, 0] = tok, True, lp
         is_eos = torch.zeros(out.logits.shape[-1], dtype=torch.bool, device=dev)  # (V,) a lookup: torch.isin syncs
         is_eos[eos[eos < is_eos.numel()]] = True
         done = is_eos[tok]
@@ -457,9 +481,11 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                     return (compiled_forward if compiled else model_forward)(model, sl.tok, sl.pos)
 
             def step():
-                new = draw(forward()).masked_fill(sl.done, pad)  # (n,)
+                new, lp = draw(forward())  # (n,), (n,)
+                new = new.masked_fill(sl.done, pad)
                 flat = sl.rows * T + slot + 1  # token index slot+1 of each slot's row
                 ids.view(-1).index_copy_(0, flat, new)
+                logps.view(-1).index_copy_(0, flat, lp.masked_fill(sl.done, 0))
                 keep.view(-1).index_copy_(0, flat, ~sl.done)
                 sl.done |= is_eos[new]
                 sl.tok.copy_(new[:, None])
@@ -494,7 +520,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
     finally:
         model.train(was_training)
     n = int(keep.sum(1).max())  # columns after every row had finished are all padding
-    return ids[:, :n], keep[:, :n].long()
+    return (ids[:, :n], keep[:, :n].long()) + ((logps[:, :n],) if return_logprobs else ())
 
 
 # ----------------------------------------------------------------------------------------------------------------

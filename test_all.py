@@ -631,20 +631,56 @@ def test_rollout_attention_kernel_vs_torch():
 @check
 def test_rollout_sampler_kernel_draws_softmax():
     """the Gumbel-max kernel draws from softmax(logits / T) across vocabulary chunks (4 likely ids in 2 chunks of
-    2048), the same seed gives the same draws, and each call advances the seed"""
+    2048), returns each draw's log-prob under it, the same seed gives the same draws, each call advances the seed"""
     import rollout
     V, n, T = 3000, 150, 0.5
     logits = torch.full((V,), -30.0)
     ids = torch.tensor([5, 2047, 2048, 2999])
     logits[ids] = torch.tensor([0.1, 0.2, 0.3, 0.4]).log() * T  # softmax(logits / T) = 0.1, 0.2, 0.3, 0.4
     seed = torch.tensor([123], device=DEVICE)
-    a = rollout.sample_triton(logits.to(DEVICE).expand(n, V), seed, T).cpu()
+    a, logp = (x.cpu() for x in rollout.sample_triton(logits.to(DEVICE).expand(n, V), seed, T))
     assert seed.item() == 124, "seed not advanced"
-    b = rollout.sample_triton(logits.to(DEVICE).expand(n, V), torch.tensor([123], device=DEVICE), T).cpu()
-    assert torch.equal(a, b), "same seed, different draws"
+    b, _ = rollout.sample_triton(logits.to(DEVICE).expand(n, V), torch.tensor([123], device=DEVICE), T)
+    assert torch.equal(a, b.cpu()), "same seed, different draws"
     assert torch.isin(a, ids).all(), f"drew an id of probability ~0: {a[~torch.isin(a, ids)].tolist()}"
     freq = torch.stack([(a == i).float().mean() for i in ids])
     assert (freq - torch.tensor([0.1, 0.2, 0.3, 0.4])).abs().max() < 0.12, f"frequencies {freq.tolist()}"
+    assert_close(logp, torch.log_softmax(logits / T, -1)[a], 1e-5, "log-prob of the draws")
+
+
+@check
+@_kv_one_thread
+def test_rollout_logprobs_are_the_samplers():
+    """return_logprobs: each kept token's log-prob under the distribution it was drawn from (temperature and top-p
+    applied; greedy: plain softmax), equal to a teacher-forced forward of the completions; 0 on padding; the
+    model.generate fallback gives the same numbers"""
+    import kv_reuse
+    import rollout
+    from transformers.generation.logits_process import TopPLogitsWarper
+    G, T = 2, 6
+    model = _kv_model("llama")
+    prompt_ids, prompt_mask, _, _ = _kv_batch(B=2, G=G, prompt_lens=(7, 3), seed=4)
+    for temperature, top_p in ((0.7, 0.9), (1.3, 1.0), (0.0, 1.0)):
+        torch.manual_seed(0)
+        ids, mask, logp = rollout.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=temperature,
+                                                  top_p=top_p, eos_token_id=[2, 17], pad_token_id=0,
+                                                  return_logprobs=True)
+        seq = torch.cat([prompt_ids.repeat_interleave(G, 0), ids], 1)
+        am = torch.cat([prompt_mask.repeat_interleave(G, 0), mask], 1)
+        with torch.no_grad():
+            logits = model(seq, attention_mask=am, position_ids=kv_reuse.positions(am)).logits
+        logits = logits[:, prompt_ids.shape[1] - 1:-1]  # (B*G, C, V): the logits that drew each completion token
+        logits = logits.float() / (temperature or 1.0)
+        if top_p < 1:
+            logits = torch.stack([TopPLogitsWarper(top_p)(None, l) for l in logits.unbind(1)], 1)
+        want = torch.log_softmax(logits, -1).gather(2, ids[..., None]).squeeze(2) * mask
+        name = f"T={temperature} top_p={top_p}"
+        assert (logp[mask == 0] == 0).all(), f"{name}: padding log-prob not 0"
+        assert_close(logp, want, 1e-4, name)
+    hf = rollout.hf_generate_groups(model, prompt_ids, prompt_mask, G, T, 0.0, 1.0, 0, torch.tensor([2, 17]), 0,
+                                    return_logprobs=True)
+    assert torch.equal(hf[0], ids) and torch.equal(hf[1], mask), "fallback: other tokens (greedy)"
+    assert_close(hf[2], logp, 1e-4, "fallback log-probs")
 
 
 @check
