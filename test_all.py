@@ -673,7 +673,7 @@ def test_rollout_logprobs_are_the_samplers():
         logits = logits.float() / (temperature or 1.0)
         if top_p < 1:
             logits = torch.stack([TopPLogitsWarper(top_p)(None, l) for l in logits.unbind(1)], 1)
-        want = torch.log_softmax(logits, -1).gather(2, ids[..., None]).squeeze(2) * mask
+        want = torch.log_softmax(logits, -1).gather(2, ids[..., None]).squeeze(2).masked_fill(mask == 0, 0)
         name = f"T={temperature} top_p={top_p}"
         assert (logp[mask == 0] == 0).all(), f"{name}: padding log-prob not 0"
         assert_close(logp, want, 1e-4, name)
