@@ -352,11 +352,11 @@ def hf_generate_groups(model, prompt_ids, prompt_mask, G, max_new_tokens, temper
                              output_scores=return_logprobs, **sampling)
     finally:
         model.train(was_training)
-    ids = out.sequences[:, prompt_ids.shape[1]:]  # (B*G, T), rows b*G + g
-    if return_logprobs:  # scores: the logits after HF's warpers, one (rows, V) per step
-        logps = torch.stack(out.scores, 1).float().log_softmax(-1).gather(2, ids[..., None]).squeeze(2)
-    ids, logps = (x.repeat_interleave(G, 0) if temperature == 0 else x for x in (ids, logps if return_logprobs
-                                                                                 else ids))
+    ids = out.sequences[:, prompt_ids.shape[1]:]  # (B*G, T), rows b*G + g (greedy: (B, T))
+    logps = None if not return_logprobs else torch.stack(out.scores, 1).float().log_softmax(-1).gather(
+        2, ids[..., None]).squeeze(2)  # scores: the logits after HF's warpers, one (rows, V) per step
+    if temperature == 0:
+        ids, logps = ids.repeat_interleave(G, 0), logps if logps is None else logps.repeat_interleave(G, 0)
     is_eos = torch.isin(ids, eos)
     ended = is_eos.long().cumsum(1)
     keep = ((ended == 0) | ((ended == 1) & is_eos)).long()  # up to and including the first EOS
