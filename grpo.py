@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -47,11 +48,14 @@ lr = 1e-5
 weight_decay = 0.0
 grad_clip = 1.0
 warmup_steps = 5
-num_iterations = 1  # optimizer steps per generation batch; 1 = exactly on-policy (old log-probs skipped)
+num_iterations = 1  # passes over each generation batch; 1 (and steps_per_generation=1) = exactly on-policy
+steps_per_generation = 1  # K: each pass is K optimizer steps on disjoint shuffled mini-batches of whole groups
 epsilon = 0.2
 epsilon_high = 0.28  # DAPO's clip-higher; set equal to epsilon for the symmetric PPO clip
 beta = 0.0  # k3 KL to the initial model; 0 = no reference model is loaded at all
-loss_type = "dapo"  # grpo | bnpo | dr_grpo | dapo
+loss_type = "dapo"  # grpo | bnpo | dr_grpo | dapo | cispo (cispo caps the weight at epsilon_high: use ~5.0)
+importance_sampling_level = "token"  # token | sequence (GSPO: one length-normalized ratio per completion)
+top_entropy_quantile = 1.0  # only tokens in this top fraction by entropy carry the policy loss (0.2 in the paper)
 scale_rewards = "group"  # group | batch | none
 mask_truncated_completions = False
 logprob_impl = "auto"  # fused | chunked | naive | auto (fused on GPU, chunked on CPU)
@@ -98,8 +102,9 @@ def parse_config(argv):
     return SimpleNamespace(**cfg)
 
 
-CHOICES = {"task": tuple(TASKS), "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo"), "scale_rewards": ("group", "batch",
-           "none"), "logprob_impl": ("auto", "fused", "chunked", "naive"), "dtype": ("float32", "bfloat16")}
+CHOICES = {"task": tuple(TASKS), "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"), "scale_rewards": ("group",
+           "batch", "none"), "logprob_impl": ("auto", "fused", "chunked", "naive"), "dtype": ("float32", "bfloat16"),
+           "importance_sampling_level": ("token", "sequence")}
 # (float16 would need a loss scaler, which this loop has not)
 finite = math.isfinite
 RANGES = {  # key: (is the value valid?, the valid range as an error states it)
@@ -114,8 +119,10 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
     "max_minutes": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no limit)"),
     "group_size": (lambda v: v >= 2, ">= 2 (the advantage is a reward minus its group's mean)"),
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    "top_entropy_quantile": (lambda v: 0 <= v <= 1, "in [0, 1] (1 = every token carries the loss)"),
     **{k: (lambda v: v >= 1, ">= 1") for k in ("max_steps", "prompts_per_step", "max_prompt_len", "max_completion_len",
-                                              "num_iterations", "micro_batch_tokens", "eval_size", "difficulty")},
+                                              "num_iterations", "micro_batch_tokens", "eval_size", "difficulty",
+                                              "steps_per_generation")},
     **{k: (lambda v: v >= 0, ">= 0") for k in ("warmup_steps", "eval_every", "save_every")},
 }
 FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite", "mask_truncated_completions",
@@ -151,6 +158,13 @@ def check_config(cfg):
     errors = [f"--{k}={getattr(cfg, k)!r}: use one of {ok}" for k, ok in CHOICES.items() if getattr(cfg, k) not in ok]
     errors += [f"--{k}={getattr(cfg, k)!r}: must be {why}" for k, (ok, why) in RANGES.items()
                if not ok(getattr(cfg, k))]
+    if cfg.steps_per_generation >= 1 and cfg.prompts_per_step % cfg.steps_per_generation:
+        errors.append(f"--steps_per_generation={cfg.steps_per_generation}: must divide --prompts_per_step="
+                      f"{cfg.prompts_per_step} (each optimizer step takes an equal share of whole groups)")
+    if cfg.loss_type == "cispo" and cfg.epsilon_high < 1:
+        errors.append(f"--loss_type=cispo with --epsilon_high={cfg.epsilon_high}: cispo caps the importance weight AT "
+                      f"epsilon_high (ScaleRL's eps_max, as TRL), so < 1 would shrink every on-policy gradient; use "
+                      f"e.g. --epsilon_high=5.0")
     hi = MAX_DIFFICULTY.get(cfg.task)
     if hi is not None and cfg.difficulty > hi:
         errors.append(f"--difficulty={cfg.difficulty}: {cfg.task} samples difficulty 1..{hi}")
@@ -591,11 +605,13 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         scored = [reward_fn(t, batch[i // cfg.group_size][1]) for i, t in enumerate(texts)]
         rewards = torch.tensor([r for r, _ in scored], dtype=torch.float32, device=dev)  # (B*G,)
         t1 = time.time()
-        # 3. advantages, loss weights, old/ref log-probs; then num_iterations optimizer steps on the same buffer
-        mbs, frac_zero_std = prepare_buffer(policy, ref_model, buf, rewards, cfg)
+        # 3. advantages, mini-batches, loss weights, old/ref log-probs; then num_iterations passes of
+        # steps_per_generation optimizer steps over the same buffer
+        steps, frac_zero_std = prepare_buffer(policy, ref_model, buf, rewards, cfg)
         policy.train()
-        for _ in range(cfg.num_iterations):
-            stats = update_step(policy, optimizer, buf, mbs, cfg, master)
+        updates = [update_step(policy, optimizer, buf, mbs, cfg, master)
+                   for _ in range(cfg.num_iterations) for mbs in steps]
+        stats = {k: (max if k.endswith("_max") else statistics.fmean)([u[k] for u in updates]) for k in updates[0]}
         t2 = time.time()
         lens = buf["completion_mask"].sum(1).float()
         n_tok = int(buf["prompt_mask"].sum()) * cfg.group_size + int(lens.sum())
@@ -603,7 +619,8 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
                    accuracy=sum(ok for _, ok in scored) / len(scored),
                    reward_errors=reward_count["errors"] - errors_before, frac_reward_zero_std=frac_zero_std,
                    completion_len_mean=lens.mean().item(), completion_len_max=int(lens.max()),
-                   truncated=buf["truncated"].float().mean().item(), **stats, micro_batches=len(mbs),
+                   truncated=buf["truncated"].float().mean().item(), **stats, optimizer_steps=len(updates),
+                   micro_batches=sum(len(mbs) for mbs in steps),
                    lr=optimizer.param_groups[0]["lr"], gen_s=t1 - t0, update_s=t2 - t1, tokens_per_s=n_tok / (t2 - t0),
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0,
                    minutes=(time.time() - t_start) / 60)
