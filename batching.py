@@ -48,6 +48,30 @@ def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temp
                 completion_mask=completion_mask, truncated=~has_eos, group_size=group_size)
 
 
+def select_groups(buf, idx):
+    """the buffer of the groups idx (a list of group indices), each with its G rows"""
+    G = buf["group_size"]
+    rows = [b * G + g for b in idx for g in range(G)]
+    out = dict(group_size=G, prompt_ids=buf["prompt_ids"][idx], prompt_mask=buf["prompt_mask"][idx])
+    out.update({k: buf[k][rows] for k in ROW_KEYS if k in buf})
+    return out
+
+
+def concat_groups(bufs, pad_token_id):
+    """one buffer of the groups of several (dynamic sampling's draws): prompts left-padded, completions right-padded
+    to the widest"""
+    P = max(b["prompt_ids"].shape[1] for b in bufs)
+    C = max(b["completion_ids"].shape[1] for b in bufs)
+    left = lambda x, v: torch.nn.functional.pad(x, (P - x.shape[1], 0), value=v)  # noqa: E731
+    right = lambda x, v: torch.nn.functional.pad(x, (0, C - x.shape[1]), value=v)  # noqa: E731
+    return dict(group_size=bufs[0]["group_size"],
+                prompt_ids=torch.cat([left(b["prompt_ids"], pad_token_id) for b in bufs]),
+                prompt_mask=torch.cat([left(b["prompt_mask"], 0) for b in bufs]),
+                completion_ids=torch.cat([right(b["completion_ids"], pad_token_id) for b in bufs]),
+                completion_mask=torch.cat([right(b["completion_mask"], 0) for b in bufs]),
+                truncated=torch.cat([b["truncated"] for b in bufs]))
+
+
 def group_advantages(rewards, group_size, scale_rewards="group"):
     """A_i = r_i - mean(group), divided by the group's std ("group"), the batch's std ("batch") or nothing ("none",
     Dr. GRPO). Returns (advantages (B*G,), frac of groups whose rewards are all equal: they carry no signal)."""
@@ -253,9 +277,9 @@ def micro_batch_loss(model, mb, cfg):
 def update_step(model, optimizer, buf, mbs, cfg, master=None):
     """one optimizer step over one mini-batch (the micro-batches mbs, one entry of prepare_buffer's list):
     accumulate the micro-batches' gradients, clip, step. Because every token's weight already holds the
-    mini-batch's normalizer, the summed gradient is identical (up to float rounding) for any micro-batch split. With `master` (float32 copies of a bf16 model's
-    parameters, which the optimizer holds) the gradients go to the masters and the stepped masters are rounded
-    back into the model."""
+    mini-batch's normalizer, the summed gradient is identical (up to float rounding) for any micro-batch split.
+    With `master` (float32 copies of a bf16 model's parameters, which the optimizer holds) the gradients go to the
+    masters and the stepped masters are rounded back into the model."""
     G = buf["group_size"]
     w_sum = sum(buf["loss_weights"][b0 * G:b1 * G].sum() for b0, b1 in mbs)  # what the weighted means are relative to
     totals, loss_total = {}, torch.zeros_like(w_sum)  # on the device: no host sync per micro-batch

@@ -1277,6 +1277,117 @@ def test_grpo_reward_that_raises_scores_zero_and_is_counted():
 
 
 @check
+def test_tasks_overlong_penalty_values():
+    """DAPO's soft overlong penalty (TRL get_soft_overlong_punishment): L_max=10, cache 4: 0 up to 6 tokens, then
+    linear, -1 at the cap; TRL's docstring example (100, 20, 90 tokens) -> -0.5; factor scales it; cache 0 = off"""
+    import tasks
+    assert [tasks.overlong_penalty(n, 10, 4) for n in (1, 6, 7, 8, 9, 10)] == [0, 0, -0.25, -0.5, -0.75, -1.0]
+    assert tasks.overlong_penalty(90, 100, 20) == -0.5
+    assert tasks.overlong_penalty(10, 10, 4, factor=0.5) == -0.5 and tasks.overlong_penalty(10, 10, 0) == 0
+
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+@check
+def test_tasks_jsonl_task_end_to_end_with_plugin_rewards():
+    """--task=jsonl:PATH (GSM8K "#### N" answers) trains 2 steps end to end with two rewards loaded by import path
+    (file.py:function and module:function, weighted, each logged), the soft overlong penalty, steps_per_generation=2
+    (2 optimizer steps a generation) and pass@k; the held-out split is fixed, disjoint from training, or a file"""
+    import json
+    import tempfile
+    import tasks
+    d = tempfile.mkdtemp(prefix="nanogrpo_jsonl_")
+    rows = [{"question": f"Tom has {i} apples and buys {i + 3}. How many now?", "answer": f"{i} + {i + 3} = "
+             f"{2 * i + 3}\n#### {2 * i + 3:,}"} for i in range(400, 430)]
+    path = _write(os.path.join(d, "train.jsonl"), "\n".join(json.dumps(r) for r in rows) + "\n")
+    _write(os.path.join(d, "my_rewards.py"), "def digits(completion, example):\n"
+           "    return sum(c.isdigit() for c in completion) / 8\n")
+    _write(os.path.join(d, "nanogrpo_len_reward.py"), "def short(completion, example):\n"
+           "    return -len(completion) / 100, False\n")
+    assert tasks.dataset_answer(rows[0]) == "803" and tasks.dataset_answer({"answer": "Paris"}) == "Paris"
+    assert tasks.dataset_reward("so... The answer is 803.", rows[0]) == (1.0, True)
+    assert tasks.dataset_reward("The answer is 803.0", rows[0]) == (1.0, True)
+    assert tasks.dataset_reward("The answer is 804", rows[0]) == (0.1, False)
+    assert tasks.dataset_reward("803", rows[0]) == (0.0, False)
+    make, reward, held = tasks.load_task(f"jsonl:{path}", 1, 4)
+    assert reward is tasks.dataset_reward and len(held) == 4 and held == tasks.load_task(f"jsonl:{path}", 1, 4)[2]
+    drawn = {q for q, _ in make(500, 0, 1)}
+    assert len(drawn) == 26 and not drawn & {q for q, _ in held}, len(drawn)
+    ev = _write(os.path.join(d, "eval.jsonl"), json.dumps({"prompt": "2+2?", "answer": "4"}) + "\n")
+    assert tasks.load_task(f"jsonl:{path}", 1, 4, ev)[2] == [(tasks.dataset_question({"prompt": "2+2?"}),
+                                                            {"prompt": "2+2?", "answer": "4"})]
+    assert_raises(ValueError, lambda: tasks.read_rows("jsonl:" + _write(os.path.join(d, "bad.jsonl"), '{"q": 1}\n')),
+                  "no question")
+    sys.path.insert(0, d)  # module:function imports like any module
+    try:
+        res = _quiet_train(_train_args(
+            tempfile.mkdtemp(), 2, f"--task=jsonl:{path}",
+            f"--reward=task,{os.path.join(d, 'my_rewards.py')}:digits,nanogrpo_len_reward:short",
+            "--reward_weights=1,0.5,2", "--soft_punish_cache=4", "--steps_per_generation=2", "--eval_pass_k=2",
+            "--temperature=2.0", "--eval_every=2"))
+    finally:
+        sys.path.remove(d)
+    recs = res.records
+    assert [r["step"] for r in recs] == [0, 1, 2] and all("eval_pass_k" in r for r in (recs[0], recs[2])), recs
+    for r in recs[1:]:
+        assert r["optimizer_steps"] == 2 and r["grad_norm"] > 0, r
+        want = r["reward/task"] + 0.5 * r["reward/digits"] + 2 * r["reward/short"] + r["reward/overlong"]
+        assert abs(r["reward_mean"] - want) < 1e-5, r  # the weighted sum, each part logged
+        assert r["reward/digits"] > 0 and r["reward/short"] < 0 and r["reward/overlong"] < 0, r
+
+
+@check
+def test_grpo_dynamic_sampling_refills_informative_groups():
+    """a reward that is constant for even targets makes those groups uniform: with dynamic_sampling they are
+    dropped and more prompts are sampled until the step has prompts_per_step informative groups (asserted: extra
+    rollouts logged, the trained batch has no zero-std group); without it the uniform groups are trained on"""
+    import tempfile
+    import grpo
+    prompts, reward = grpo.TASKS["arithmetic"]
+    grpo.TASKS["arithmetic"] = (prompts, lambda text, target: (0.0 if target % 2 == 0 else
+                                                               sum(c.isdigit() for c in text) / 8, False))
+    try:
+        args = ("--temperature=2.0", "--eval_every=0", "--prompts_per_step=4", "--max_completion_len=6")
+        on = _quiet_train(_train_args(tempfile.mkdtemp(), 2, *args, "--dynamic_sampling=True",
+                                      "--max_sampling_tries=6")).records[1:]
+        off = _quiet_train(_train_args(tempfile.mkdtemp(), 2, *args)).records[1:]
+    finally:
+        grpo.TASKS["arithmetic"] = (prompts, reward)
+    assert all(r["sampling_tries"] == 1 and r["extra_rollouts"] == 0 for r in off)
+    assert max(r["frac_reward_zero_std"] for r in off) > 0, off  # uniform groups were trained on
+    assert any(r["sampling_tries"] > 1 for r in on), on
+    for r in on:
+        assert r["extra_rollouts"] == (r["sampling_tries"] - 1) * 4 * 4, r
+        assert r["frac_reward_zero_std"] == 0 and r["sampling_tries"] < 6, r  # refilled before the bound
+        assert r["sampled_frac_reward_zero_std"] > 0 or r["sampling_tries"] == 1, r
+
+
+@check
+def test_grpo_eval_pass_at_k():
+    """pass@k beside greedy accuracy: at a near-zero eval_temperature every sample is the greedy answer, so pass@k ==
+    greedy accuracy; at temperature 2 with "correct" = a digit in the text (greedy writes none), pass@4 > pass@1 > 0"""
+    from transformers import AutoModelForCausalLM
+    import grpo
+    import tasks
+    tok = grpo.load_tokenizer(_tiny_model_dir())
+    model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
+    held = tasks.held_out_set(tasks.arithmetic_prompts, 8, 1)
+    digit = lambda text, ex: (1.0, any(c.isdigit() for c in text), [1.0])  # noqa: E731
+    got = {}
+    for temp, k in ((1e-4, 4), (2.0, 4), (2.0, 1)):
+        torch.manual_seed(0)
+        got[temp, k] = grpo.evaluate(model, tok, held, digit, _trainer_cfg(eval_pass_k=k, eval_temperature=temp,
+                                                                           max_completion_len=8), torch.device("cpu"))
+    assert got[1e-4, 4]["eval_pass_k"] == got[1e-4, 4]["eval_accuracy"] == 0, got
+    assert got[2.0, 4]["eval_pass_k"] > got[2.0, 1]["eval_pass_k"] > 0, got
+    assert "eval_pass_k" not in grpo.evaluate(model, tok, held[:1], digit, _trainer_cfg(), torch.device("cpu"))
+
+
+@check
 def test_grpo_config_checked_before_anything_loads():
     """every config key has a check; each bad value is refused by name, value and range, all in one error, before
     out_dir is created or a model is looked up (a missing local path never reaches the hub)"""
@@ -1311,6 +1422,15 @@ def test_grpo_config_checked_before_anything_loads():
     assert_raises(ValueError, lambda: tasks.countdown_prompts(5, 0, 30), "difficulty")
     assert time.time() - t0 < 5
     assert_raises(ValueError, lambda: cfg("--resume=True", "--overwrite=True"), "not both")
+    for args, why in [(("--task=jsonl:/no/such.jsonl",), "no such file"), (("--task=mnist",), "jsonl:PATH"),
+                      (("--reward=no_such_module_xyz:f",), "cannot import"), (("--reward=tasks:nope",), "no function"),
+                      (("--reward=task,tasks:parse_int", "--reward_weights=1"), "want 2 finite numbers"),
+                      (("--soft_punish_cache=64",), "< --max_completion_len=64"),
+                      (("--loss_type=cispo",), "--epsilon_high=5.0"),
+                      (("--steps_per_generation=5",), "must divide --prompts_per_step=32"),
+                      (("--eval_file=x.jsonl",), "only a dataset task"),
+                      (("--top_entropy_quantile=1.5",), "in [0, 1]"), (("--importance_sampling_level=seq",), "one of")]:
+        assert_raises(ValueError, lambda: cfg(*args), why)
     if not GPU:
         assert_raises(ValueError, lambda: cfg("--device=cuda"), "--device=auto or --device=cpu")
     no_tok = tempfile.mkdtemp()  # a model directory without its tokenizer files
@@ -1333,8 +1453,9 @@ def test_grpo_train_prompts_never_run_dry():
     step 11 (and at step 11 again on every resume). The stream is endless, skips the held-out set, and depends on
     (seed, step) alone; where the first draw sufficed it gives what it gave before"""
     import grpo
+    import tasks
     make = grpo.TASKS["arithmetic"][0]
-    held = {q for q, _ in grpo.held_out_set(make, 100, 1)}
+    held = {q for q, _ in tasks.held_out_set(make, 100, 1)}
     for n in (1, 2, 32):
         for step in range(1, 41):
             seed = 1337 * 100_003 + step
@@ -1345,7 +1466,7 @@ def test_grpo_train_prompts_never_run_dry():
             if len(first) >= n:
                 assert got == first[:n], "the first draw changed"
     assert_raises(ValueError, lambda: grpo.check_training_pool(
-        make, 1, 1, {q for q, _ in grpo.held_out_set(make, 200, 1)}), "lower --eval_size")
+        make, 1, 1, {q for q, _ in tasks.held_out_set(make, 200, 1)}), "lower --eval_size")
 
 
 
