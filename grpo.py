@@ -735,12 +735,16 @@ def format_record(r):
          f"loss {r['loss']:.4f} clip {r['clip_ratio']:.3f} (lo {r['clip_low']:.3f} hi {r['clip_high']:.3f}) "
          f"ent {r['entropy']:.3f} gnorm {r['grad_norm']:.3f} gen {r['gen_s']:.1f}s upd {r['update_s']:.1f}s "
          f"{r['tokens_per_s']:.0f} tok/s {r['peak_gib']:.1f}GiB")
+    if r.get("extra_rollouts"):
+        s += f" resampled {r['sampling_tries']}x (+{r['extra_rollouts']} rollouts)"
     if r.get("reward_errors"):
         s += f" reward_errors {r['reward_errors']}"
     if "kl" in r:
         s += f" kl {r['kl']:.4f}"
     if "eval_accuracy" in r:
         s += f" | held-out greedy acc {r['eval_accuracy']:.3f}"
+        if "eval_pass_k" in r:
+            s += f" pass@k {r['eval_pass_k']:.3f}"
     return s
 
 

@@ -1002,6 +1002,22 @@ def test_batching_loss_matches_trl_compute_loss():
                 assert abs(got.item() - want.item()) < 1e-6 * max(1, abs(want.item())), (name, got, want)
                 assert_close(logp.grad * mask, trl_logp.grad * mask, 1e-6, name)
                 assert logp.grad.norm() > 0, name
+        # steps_per_generation=2: TRL's loss on each half (one optimizer step, num_items_in_batch still the whole
+        # generation batch's tokens) == ours with the per-mini-batch weights
+        me.loss_type, me.top_entropy_quantile, me.args.steps_per_generation = loss_type, 1.0, 2
+        me.importance_sampling_level = "token"
+        w2 = batching.loss_weights(mask, loss_type, L, steps_per_generation=2)
+        for rows in (slice(0, 2), slice(2, 4)):
+            trl_logp = base[rows].clone().requires_grad_(True)
+            me._get_per_token_logps_and_entropies = lambda *a, **k: (trl_logp, ent[rows], None)
+            half = {k: v[rows] if torch.is_tensor(v) and v.dim() else v for k, v in inputs.items()}
+            want = compute_loss(me, None, half)
+            keep = mask[rows].bool()
+            logp = base[rows]
+            l, _ = batching.policy_loss(logp[keep], old[rows][keep], adv[rows, None].expand_as(keep)[keep], keep,
+                                        _policy_cfg(loss_type=loss_type, epsilon_high=me.epsilon_high))
+            got = (l * w2[rows][keep]).sum()
+            assert abs(got.item() - want.item()) < 1e-6 * max(1, abs(want.item())), (loss_type, "K=2", got, want)
 
 
 @check
