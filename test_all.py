@@ -1182,7 +1182,9 @@ def test_grpo_resume_continues_identically():
     grpo.TASKS["arithmetic"] = (prompts, lambda text, target: (sum(ch.isdigit() for ch in text) / 8, False))
     try:
         # bfloat16: the model runs in bf16 and AdamW steps float32 masters, which the checkpoint must carry
-        args = ("--lr=1e-3", "--warmup_steps=0", "--num_iterations=2", "--beta=0.1", "--dtype=bfloat16")
+        # (and the shuffled mini-batches, the refills and the entropy mask replay exactly too)
+        args = ("--lr=1e-3", "--warmup_steps=0", "--num_iterations=2", "--beta=0.1", "--dtype=bfloat16",
+                "--steps_per_generation=2", "--dynamic_sampling=True", "--top_entropy_quantile=0.5")
         a = _quiet_train(_train_args(tempfile.mkdtemp(), 2, *args))
         out = tempfile.mkdtemp()
         _quiet_train(_train_args(out, 1, *args))
@@ -1338,6 +1340,17 @@ def test_tasks_jsonl_task_end_to_end_with_plugin_rewards():
                                                             {"prompt": "2+2?", "answer": "4"})]
     assert_raises(ValueError, lambda: tasks.read_rows("jsonl:" + _write(os.path.join(d, "bad.jsonl"), '{"q": 1}\n')),
                   "no question")
+    fake = SimpleNamespace(load_dataset=lambda name, config, split: [{"problem": f"{name}/{config}/{split}",
+                                                                      "solution": "#### 7"}])
+    real, sys.modules["datasets"] = sys.modules.get("datasets"), fake  # hf:NAME[:config] without a network
+    try:
+        assert tasks.read_rows("hf:gsm8k:main") == [{"problem": "gsm8k/main/train", "solution": "#### 7"}]
+        assert tasks.read_rows("hf:x", split="test")[0]["problem"] == "x/None/test"
+    finally:
+        if real is None:
+            del sys.modules["datasets"]
+        else:
+            sys.modules["datasets"] = real
     sys.path.insert(0, d)  # module:function imports like any module
     try:
         res = _quiet_train(_train_args(
