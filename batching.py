@@ -7,7 +7,9 @@ gradient-accumulation micro-batch and "how many updates per sample" is its own k
 
     prompts (B, P) left-padded ─ generate_groups ─> completions (B*G, C) right-padded, rows prompt-major (b*G + g)
     rewards (B*G,) ─ group_advantages ─> advantages (B*G,)
-    loss_weights (B*G, C): the loss_type normalizer of the WHOLE batch, baked into one weight per token
+    steps_per_generation = K: the groups are shuffled and cut into K disjoint mini-batches, one optimizer step each;
+        num_iterations passes over the K mini-batches = num_iterations * K optimizer steps per generation (TRL)
+    loss_weights (B*G, C): the loss_type normalizer of the whole MINI-batch, baked into one weight per token
     micro_batches: whole groups under a token budget (kv_reuse forwards a group's prompt once, so a group stays together)
     old / ref log-probs under no_grad, micro-batch by micro-batch (old skipped when exactly on-policy)
     update_step: sum over micro-batches of sum(per_token_loss * weight) -> backward -> clip -> optimizer.step
@@ -24,10 +26,12 @@ from kv_reuse import completion_hidden
 from rollout import generate_groups
 from logprobs import token_logprobs
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # per-completion entries of the buffer: (B*G, C) token tensors or (B*G,) row tensors
-ROW_KEYS = ("completion_ids", "completion_mask", "truncated", "advantages", "loss_weights", "old_logp", "ref_logp")
+ROW_KEYS = ("completion_ids", "completion_mask", "truncated", "advantages", "loss_weights", "old_logp", "ref_logp",
+            "entropy_mask")
 
 
 @torch.no_grad()
@@ -42,6 +46,30 @@ def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temp
     has_eos = ((completion_ids == eos_token_id) & (completion_mask == 1)).any(1)  # (B*G,)
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(), completion_ids=completion_ids,
                 completion_mask=completion_mask, truncated=~has_eos, group_size=group_size)
+
+
+def select_groups(buf, idx):
+    """the buffer of the groups idx (a list of group indices), each with its G rows"""
+    G = buf["group_size"]
+    rows = [b * G + g for b in idx for g in range(G)]
+    out = dict(group_size=G, prompt_ids=buf["prompt_ids"][idx], prompt_mask=buf["prompt_mask"][idx])
+    out.update({k: buf[k][rows] for k in ROW_KEYS if k in buf})
+    return out
+
+
+def concat_groups(bufs, pad_token_id):
+    """one buffer of the groups of several (dynamic sampling's draws): prompts left-padded, completions right-padded
+    to the widest"""
+    P = max(b["prompt_ids"].shape[1] for b in bufs)
+    C = max(b["completion_ids"].shape[1] for b in bufs)
+    left = lambda x, v: torch.nn.functional.pad(x, (P - x.shape[1], 0), value=v)  # noqa: E731
+    right = lambda x, v: torch.nn.functional.pad(x, (0, C - x.shape[1]), value=v)  # noqa: E731
+    return dict(group_size=bufs[0]["group_size"],
+                prompt_ids=torch.cat([left(b["prompt_ids"], pad_token_id) for b in bufs]),
+                prompt_mask=torch.cat([left(b["prompt_mask"], 0) for b in bufs]),
+                completion_ids=torch.cat([right(b["completion_ids"], pad_token_id) for b in bufs]),
+                completion_mask=torch.cat([right(b["completion_mask"], 0) for b in bufs]),
+                truncated=torch.cat([b["truncated"] for b in bufs]))
 
 
 def group_advantages(rewards, group_size, scale_rewards="group"):
@@ -60,23 +88,46 @@ def group_advantages(rewards, group_size, scale_rewards="group"):
     return adv.view(-1), frac_zero_std
 
 
-def loss_weights(completion_mask, loss_type, max_completion_len):
-    """(B*G, C) weight per token so that loss = sum(per_token_loss * w) over the whole generation batch reproduces
-    TRL's loss_type aggregations, whatever the micro-batch split (the normalizer is global, not per micro-batch):
-        grpo:        1/S * sum_i ( sum_t l_it m_it / sum_t m_it )      (mean over each sequence, then over sequences)
-        bnpo, dapo:  sum_it l_it m_it / sum_it m_it                    (token mean over the whole batch)
-        dr_grpo:     sum_it l_it m_it / (S * max_completion_len)       (constant normalizer, no length bias)
+def loss_weights(completion_mask, loss_type, max_completion_len, steps_per_generation=1):
+    """(B*G, C) weight per token so that loss = sum(per_token_loss * w) over one mini-batch reproduces TRL's loss_type
+    aggregations, whatever the micro-batch split (the normalizer is the mini-batch's, not a micro-batch's). The rows
+    are in mini-batch order: mini-batch k is rows [k*R, (k+1)*R), R = B*G / steps_per_generation. Per mini-batch:
+        grpo:         1/S * sum_i ( sum_t l_it m_it / sum_t m_it )     (mean over each sequence, then over sequences)
+        bnpo:         sum_it l_it m_it / sum_it m_it                   (token mean over the mini-batch)
+        dapo, cispo:  sum_it l_it m_it / (M / K)                       (M: tokens of the whole GENERATION batch, K =
+                                                                        steps_per_generation: TRL's num_items_in_batch)
+        dr_grpo:      sum_it l_it m_it / (S * max_completion_len)      (constant normalizer, no length bias)
     Rows whose mask is all zero (masked truncated completions) get weight 0 and do not count in S for grpo."""
     m = completion_mask.float()  # (B*G, C)
+    K = steps_per_generation
+    mk = m.view(K, -1, m.shape[1])  # (K, R, C)
     if loss_type == "grpo":
-        lens = m.sum(1, keepdim=True)  # (B*G, 1)
-        n_seq = (lens > 0).sum().clamp_min(1)
-        return m / lens.clamp_min(1) / n_seq
-    if loss_type in ("bnpo", "dapo"):
-        return m / m.sum().clamp_min(1)
-    if loss_type == "dr_grpo":
-        return m / (m.shape[0] * max_completion_len)
-    raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
+        lens = mk.sum(2, keepdim=True)  # (K, R, 1)
+        n_seq = (lens > 0).sum(1, keepdim=True).clamp_min(1)  # (K, 1, 1)
+        w = mk / lens.clamp_min(1) / n_seq
+    elif loss_type == "bnpo":
+        w = mk / mk.sum((1, 2), keepdim=True).clamp_min(1)
+    elif loss_type in ("dapo", "cispo"):
+        w = mk / (m.sum().clamp_min(1) / K)
+    elif loss_type == "dr_grpo":
+        w = mk / (mk.shape[1] * max_completion_len)
+    else:
+        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
+    return w.reshape(m.shape)
+
+
+def entropy_mask(ent, loss_mask, quantile, steps_per_generation=1):
+    """(B*G, C) bool: the tokens whose entropy is in the top `quantile` fraction of their mini-batch's loss tokens
+    (Beyond the 80/20 Rule; TRL's get_high_entropy_mask: entropy >= torch.quantile(entropies, 1 - quantile), so
+    quantile=0 keeps the highest-entropy token(s) only). Rows in mini-batch order as in loss_weights."""
+    K = steps_per_generation
+    out = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
+    for e, m, o in zip(ent.view(K, -1, ent.shape[1]), loss_mask.bool().view(K, -1, ent.shape[1]),
+                       out.view(K, -1, ent.shape[1])):  # (R, C) each: one mini-batch
+        if m.any():
+            threshold = torch.quantile(e[m].float(), 1 - quantile)
+            o.copy_((e * m >= threshold) & m)
+    return out
 
 
 def micro_batches(prompt_mask, completion_mask, group_size, micro_batch_tokens, reuse=True):
@@ -138,22 +189,54 @@ def oom_names_knob(cfg, what):
 
 
 @torch.no_grad()
-def fill_logprobs(model, buf, key, mbs, temperature, logprob_impl, kv_reuse):
-    """buf[key] = (B*G, C) log-probs of the current weights of `model`, zero at masked positions"""
+def fill_logprobs(model, buf, key, mbs, temperature, logprob_impl, kv_reuse, entropy=False):
+    """buf[key] = (B*G, C) log-probs of the current weights of `model`, zero at masked positions; with entropy=True
+    also returns the (B*G, C) entropies of the same pass"""
     out = torch.zeros(buf["completion_ids"].shape, dtype=torch.float32, device=buf["completion_ids"].device)
+    ents = torch.zeros_like(out) if entropy else None
     G = buf["group_size"]
     for b0, b1 in mbs:
         mb = slice_groups(buf, b0, b1)
         keep = mb["completion_mask"].bool()
-        logp, _ = completion_logprobs(model, mb, keep, temperature, logprob_impl, kv_reuse, entropy=False)
+        logp, ent = completion_logprobs(model, mb, keep, temperature, logprob_impl, kv_reuse, entropy=entropy)
         rows = out[b0 * G:b1 * G, :keep.shape[1]]  # a view into out
         rows[keep] = logp.float()
+        if entropy:
+            ents[b0 * G:b1 * G, :keep.shape[1]][keep] = ent.float()
     buf[key] = out
+    return ents
+
+
+def policy_loss(logp, old, adv, keep, cfg, ent_mask=None):
+    """per-token policy loss (N,) and importance ratio (N,) of the N = keep.sum() tokens (row-major; keep (R, C)):
+        token level:     r_t = exp(logp_t - old_t)
+        sequence level:  r_t = s_i = exp( 1/|y_i| sum_t (logp_it - old_it) )   (GSPO: one ratio per completion i,
+                         broadcast to its tokens, clipped with the same epsilon / epsilon_high as TRL does)
+        clip losses:     l_t = -min(r_t A, clip(r_t, 1 - epsilon, 1 + epsilon_high) A)
+        cispo:           l_t = -sg(min(r_t, epsilon_high)) A logp_t   (CISPO/ScaleRL as TRL 1.16: epsilon_high is the
+                         cap eps_max ITSELF, not 1 + epsilon_high; the weight is detached so every token keeps a
+                         gradient, A * min(r, eps_max) * grad logp, where PPO's clip would zero it)
+    ent_mask (N,): 1 for the tokens that carry the policy loss (top_entropy_quantile), 0 elsewhere."""
+    log_ratio = logp - old  # (N,)
+    if cfg.importance_sampling_level == "sequence":
+        dense = torch.zeros(keep.shape, dtype=log_ratio.dtype, device=log_ratio.device)  # (R, C)
+        dense = dense.masked_scatter(keep, log_ratio)
+        seq = dense.sum(1) / keep.sum(1).clamp_min(1)  # (R,): the length-normalized log-ratio
+        log_ratio = seq[:, None].expand_as(keep)[keep]  # (N,)
+    ratio = torch.exp(log_ratio)
+    if cfg.loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=cfg.epsilon_high).detach() * adv * logp
+    else:
+        clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
+        per_token = -torch.min(ratio * adv, clipped * adv)
+    if ent_mask is not None:
+        per_token = per_token * ent_mask
+    return per_token, ratio
 
 
 def micro_batch_loss(model, mb, cfg):
-    """sum over this micro-batch's tokens of per_token_loss * weight (weights carry the global normalizer), with
-        ratio = exp(logp - old_logp),  l = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) + beta * k3
+    """sum over this micro-batch's tokens of (policy_loss + beta * k3) * weight (weights carry the mini-batch's
+    normalizer), with
         k3 = exp(ref - logp) - (ref - logp) - 1   (unbiased, always >= 0 KL estimate, Schulman)
     when old_logp is absent (one update per generation) old = logp.detach(): ratio is exactly 1, the gradient is
     A * grad(logp)."""
@@ -163,9 +246,8 @@ def micro_batch_loss(model, mb, cfg):
     adv = mb["advantages"][:, None].expand_as(keep)[keep]  # (N,)
     w = mb["loss_weights"][keep]  # (N,)
     old = mb["old_logp"][keep] if "old_logp" in mb else logp.detach()
-    ratio = torch.exp(logp - old)
-    clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)
+    ent_mask = mb["entropy_mask"][keep].float() if "entropy_mask" in mb else None  # (N,)
+    per_token, ratio = policy_loss(logp, old, adv, keep, cfg, ent_mask)
     # stats are detached 0-dim tensors, weighted like the loss so they are whole-batch means too; update_step
     # reads them all in one host sync, so the next micro-batch's forward is queued while this backward runs
     stats = {}
@@ -175,26 +257,31 @@ def micro_batch_loss(model, mb, cfg):
         per_token = per_token + cfg.beta * kl
         stats["kl"] = (kl.detach() * w).sum()
     loss = (per_token * w).sum()
-    low = ((ratio < 1 - cfg.epsilon) & (adv < 0)).float()
-    high = ((ratio > 1 + cfg.epsilon_high) & (adv > 0)).float()
+    if cfg.loss_type == "cispo":  # the weight was capped (TRL's cispo_clip_ratio); there is no lower clip
+        low, high = torch.zeros_like(ratio), ((ratio > cfg.epsilon_high) & (adv > 0)).float()
+    else:
+        low = ((ratio < 1 - cfg.epsilon) & (adv < 0)).float()
+        high = ((ratio > 1 + cfg.epsilon_high) & (adv > 0)).float()
     stats["clip_low"] = (low * w).sum()
     stats["clip_high"] = (high * w).sum()
     stats["clip_ratio"] = stats["clip_low"] + stats["clip_high"]
     if ent is not None:
         stats["entropy"] = (ent.detach().float() * w).sum()
+    if ent_mask is not None:
+        stats["entropy_mask_frac"] = (ent_mask * w).sum()
     stats["ratio_mean"] = (ratio.detach() * w).sum()
     stats["ratio_dev_max"] = (ratio.detach() - 1).abs().max()  # exactly 0 when on-policy
     return loss, stats
 
 
 def update_step(model, optimizer, buf, mbs, cfg, master=None):
-    """one optimizer step over the whole generation batch: accumulate the micro-batches' gradients, clip, step.
-    Because every token's weight already holds the whole-batch normalizer, the summed gradient is identical
-    (up to float rounding) for any micro-batch split. With `master` (float32 copies of a bf16 model's
-    parameters, which the optimizer holds) the gradients go to the masters and the stepped masters are rounded
-    back into the model."""
+    """one optimizer step over one mini-batch (the micro-batches mbs, one entry of prepare_buffer's list):
+    accumulate the micro-batches' gradients, clip, step. Because every token's weight already holds the
+    mini-batch's normalizer, the summed gradient is identical (up to float rounding) for any micro-batch split.
+    With `master` (float32 copies of a bf16 model's parameters, which the optimizer holds) the gradients go to the
+    masters and the stepped masters are rounded back into the model."""
     G = buf["group_size"]
-    w_sum = buf["loss_weights"].sum()  # what the weighted means below are relative to
+    w_sum = sum(buf["loss_weights"][b0 * G:b1 * G].sum() for b0, b1 in mbs)  # what the weighted means are relative to
     totals, loss_total = {}, torch.zeros_like(w_sum)  # on the device: no host sync per micro-batch
     for b0, b1 in mbs:
         mb = slice_groups(buf, b0, b1)
@@ -228,20 +315,57 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
     return out
 
 
-def prepare_buffer(model, ref_model, buf, rewards, cfg):
-    """everything the updates need that does not change between them: advantages, per-token weights, and the
-    old/ref log-probs under no_grad. Returns the micro-batch split and the fraction of zero-std groups."""
+def shuffle_groups(buf, perm):
+    """the buffer with its groups in the order perm (B,), each group's G rows kept together"""
     G = buf["group_size"]
+    rows = (perm[:, None] * G + torch.arange(G, device=perm.device)).view(-1)  # (B*G,)
+    for k in ("prompt_ids", "prompt_mask"):
+        buf[k] = buf[k][perm]
+    for k in ROW_KEYS:
+        if k in buf:
+            buf[k] = buf[k][rows]
+
+
+def prepare_buffer(model, ref_model, buf, rewards, cfg):
+    """everything the updates need that does not change between them: advantages, the mini-batches, per-token
+    weights, the entropy mask, and the old/ref log-probs under no_grad. Returns (one list of micro-batches (b0, b1)
+    per optimizer step, in order; the fraction of zero-std groups).
+
+    steps_per_generation = K > 1 (TRL): the groups are shuffled (torch.randperm, so resume replays it) and mini-batch
+    k is groups [k*B/K, (k+1)*B/K). TRL shuffles single completions; here whole groups move, because kv_reuse runs a
+    group's prompt once (the advantages are computed before the shuffle, so only the normalizers see the
+    difference). Old log-probs are computed whenever some update is off-policy: num_iterations > 1 or K > 1."""
+    G, K = buf["group_size"], cfg.steps_per_generation
+    B = buf["prompt_ids"].shape[0]
+    if B % K:
+        raise ValueError(f"{B} groups do not split into steps_per_generation={K} mini-batches")
     buf["advantages"], frac_zero_std = group_advantages(rewards, G, cfg.scale_rewards)
+    if K > 1:
+        shuffle_groups(buf, torch.randperm(B).to(buf["prompt_ids"].device))
     loss_mask = buf["completion_mask"]
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~buf["truncated"]).long()[:, None]  # truncated rows: no gradient at all
-    buf["loss_weights"] = loss_weights(loss_mask, cfg.loss_type, cfg.max_completion_len)
-    mbs = micro_batches(buf["prompt_mask"], buf["completion_mask"], G, cfg.micro_batch_tokens, cfg.kv_reuse)
+    buf["loss_weights"] = loss_weights(loss_mask, cfg.loss_type, cfg.max_completion_len, K)
+    steps = []
+    for k in range(K):  # micro-batches never straddle two mini-batches
+        b0, b1 = k * B // K, (k + 1) * B // K
+        mbs = micro_batches(buf["prompt_mask"][b0:b1], buf["completion_mask"][b0 * G:b1 * G], G,
+                            cfg.micro_batch_tokens, cfg.kv_reuse)
+        steps.append([(b0 + a, b0 + b) for a, b in mbs])
+    all_mbs = [mb for mbs in steps for mb in mbs]
+    want_entropy = cfg.top_entropy_quantile < 1
     with oom_names_knob(cfg, "computing old/reference log-probs"):
-        if cfg.num_iterations > 1:
-            # the first update would see ratio = 1 anyway; later ones need the sampling policy's log-probs
-            fill_logprobs(model, buf, "old_logp", mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse)
+        if cfg.num_iterations > 1 or K > 1 or want_entropy:
+            # an on-policy single update would see ratio = 1 anyway; later ones need the sampling policy's log-probs
+            ent = fill_logprobs(model, buf, "old_logp", all_mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse,
+                                entropy=want_entropy)
+            if want_entropy:
+                # the threshold over the whole mini-batch, from the sampling policy's entropies (fixed across the
+                # num_iterations passes): TRL takes it per micro-batch from each pass's entropies, which would make
+                # the gradient depend on the micro-batch split
+                buf["entropy_mask"] = entropy_mask(ent, loss_mask, cfg.top_entropy_quantile, K)
+            if cfg.num_iterations == 1 and K == 1:
+                del buf["old_logp"]  # (only the entropies were wanted: keep the ratio exactly 1)
         if cfg.beta > 0:
-            fill_logprobs(ref_model, buf, "ref_logp", mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse)
-    return mbs, frac_zero_std
+            fill_logprobs(ref_model, buf, "ref_logp", all_mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse)
+    return steps, frac_zero_std

