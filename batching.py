@@ -31,21 +31,23 @@ SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # per-completion entries of the buffer: (B*G, C) token tensors or (B*G,) row tensors
 ROW_KEYS = ("completion_ids", "completion_mask", "truncated", "advantages", "loss_weights", "old_logp", "ref_logp",
-            "entropy_mask")
+            "entropy_mask", "sampler_logp")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @torch.no_grad()
 def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature, top_p, eos_token_id,
             pad_token_id):
-    """sample group_size completions per prompt; the returned dict is the generation buffer"""
-    completion_ids, completion_mask = generate_groups(
+    """sample group_size completions per prompt; the returned dict is the generation buffer. sampler_logp: each
+    token's log-prob as the sampler computed it (its decode kernels, not the training forward's)"""
+    completion_ids, completion_mask, sampler_logp = generate_groups(
         model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature=temperature, top_p=top_p,
-        eos_token_id=eos_token_id, pad_token_id=pad_token_id)  # (B*G, C), (B*G, C)
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, return_logprobs=True)  # (B*G, C) each
     completion_mask = completion_mask.long()
     # a completion is truncated when it filled max_completion_len without emitting EOS
     has_eos = ((completion_ids == eos_token_id) & (completion_mask == 1)).any(1)  # (B*G,)
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(), completion_ids=completion_ids,
-                completion_mask=completion_mask, truncated=~has_eos, group_size=group_size)
+                completion_mask=completion_mask, truncated=~has_eos, group_size=group_size, sampler_logp=sampler_logp)
 
 
 def select_groups(buf, idx):
@@ -69,7 +71,9 @@ def concat_groups(bufs, pad_token_id):
                 prompt_mask=torch.cat([left(b["prompt_mask"], 0) for b in bufs]),
                 completion_ids=torch.cat([right(b["completion_ids"], pad_token_id) for b in bufs]),
                 completion_mask=torch.cat([right(b["completion_mask"], 0) for b in bufs]),
-                truncated=torch.cat([b["truncated"] for b in bufs]))
+                truncated=torch.cat([b["truncated"] for b in bufs]),
+                **({"sampler_logp": torch.cat([right(b["sampler_logp"], 0.0) for b in bufs])}
+                   if all("sampler_logp" in b for b in bufs) else {}))
 
 
 def group_advantages(rewards, group_size, scale_rewards="group"):
@@ -234,6 +238,22 @@ def policy_loss(logp, old, adv, keep, cfg, ent_mask=None):
     return per_token, ratio
 
 
+def sampling_correction(old, sampler, keep, cfg):
+    """TRL's importance-sampling correction for a sampler that is not the training forward (vLLM there, rollout.py's
+    decode kernels here), with TRL's names and modes: per token w_t = exp(old_t - sampler_t), or per sequence
+    w_i = exp(sum_t (old_it - sampler_it)) on all its tokens; *_truncate clamps w to [clip_min, clip_max],
+    *_mask sets w outside it to 0. old, sampler (N,) over the keep (R, C) tokens; returns w (N,)."""
+    diff = old - sampler
+    if cfg.vllm_importance_sampling_mode.startswith("sequence"):
+        dense = torch.zeros(keep.shape, dtype=diff.dtype, device=diff.device).masked_scatter(keep, diff)
+        diff = dense.sum(1)[:, None].expand_as(keep)[keep]
+    w = torch.exp(diff)
+    lo, hi = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+    if cfg.vllm_importance_sampling_mode.endswith("truncate"):
+        return w.clamp(lo, hi)
+    return w.masked_fill((w < lo) | (w > hi), 0.0)
+
+
 def micro_batch_loss(model, mb, cfg):
     """sum over this micro-batch's tokens of (policy_loss + beta * k3) * weight (weights carry the mini-batch's
     normalizer), with
@@ -251,6 +271,14 @@ def micro_batch_loss(model, mb, cfg):
     # stats are detached 0-dim tensors, weighted like the loss so they are whole-batch means too; update_step
     # reads them all in one host sync, so the next micro-batch's forward is queued while this backward runs
     stats = {}
+    if "sampler_logp" in mb:  # sampler vs trainer: the same policy, two sets of kernels (TRL's sampling_logp_difference)
+        sampler = mb["sampler_logp"][keep]
+        delta = (old - sampler).abs()
+        stats["sampling_logp_diff"], stats["sampling_logp_diff_max"] = (delta * w).sum(), delta.max()
+        if cfg.vllm_importance_sampling_correction:  # applied to the policy loss, before the KL term, as TRL does
+            is_w = sampling_correction(old, sampler, keep, cfg)
+            per_token = per_token * is_w
+            stats["is_ratio"], stats["is_ratio_min"], stats["is_ratio_max"] = (is_w * w).sum(), is_w.min(), is_w.max()
     if cfg.beta > 0:
         d = mb["ref_logp"][keep] - logp
         kl = torch.exp(d) - d - 1
@@ -292,7 +320,8 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
             loss.backward()
         loss_total = loss_total + loss.detach()
         for k, v in stats.items():
-            totals[k] = v if k not in totals else torch.maximum(totals[k], v) if k.endswith("_max") else totals[k] + v
+            totals[k] = (v if k not in totals else torch.maximum(totals[k], v) if k.endswith("_max") else
+                         torch.minimum(totals[k], v) if k.endswith("_min") else totals[k] + v)
     params = list(model.parameters())
     if master is not None:  # the gradients move to the float32 masters first, so the clip norm is float32 too
         for m, p in zip(master, params):
@@ -310,7 +339,7 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
         [totals[k].float() for k in keys] + [loss_total.float(), w_sum, grad_norm.float().to(w_sum.device)]).tolist()
     # nan for the stats no micro-batch reported (none does when every completion was truncated and masked)
     out = dict.fromkeys(("clip_low", "clip_high", "clip_ratio", "entropy", "ratio_mean", "ratio_dev_max"), math.nan)
-    out.update({k: v if k.endswith("_max") else v / max(w_sum, 1e-12) for k, v in zip(keys, vals)})
+    out.update({k: v if k.endswith(("_max", "_min")) else v / max(w_sum, 1e-12) for k, v in zip(keys, vals)})
     out["loss"], out["grad_norm"] = loss_total, grad_norm
     return out
 

@@ -65,6 +65,12 @@ beta = 0.0  # k3 KL to the initial model; 0 = no reference model is loaded at al
 loss_type = "dapo"  # grpo | bnpo | dr_grpo | dapo | cispo (cispo caps the weight at epsilon_high: use ~5.0)
 importance_sampling_level = "token"  # token | sequence (GSPO: one length-normalized ratio per completion)
 top_entropy_quantile = 1.0  # only tokens in this top fraction by entropy carry the policy loss (0.2 in the paper)
+# sampler vs trainer: rollout.py's decode kernels and the training forward give slightly different log-probs for the
+# same policy; their gap is logged every step (sampling_logp_diff). TRL's correction for it, with TRL's (vLLM) names:
+vllm_importance_sampling_correction = False  # weight the policy loss by exp(old - sampler) (TRL: on with vLLM)
+vllm_importance_sampling_mode = "sequence_mask"  # token_truncate | token_mask | sequence_truncate | sequence_mask
+vllm_importance_sampling_clip_max = 3.0  # truncate: clamp the weight to [clip_min, clip_max]; mask: 0 outside it
+vllm_importance_sampling_clip_min = 0.0  # 0 = no lower bound (TRL: None)
 scale_rewards = "group"  # group | batch | none
 mask_truncated_completions = False
 logprob_impl = "auto"  # fused | chunked | naive | auto (fused on GPU, chunked on CPU)
@@ -115,7 +121,8 @@ def parse_config(argv):
 
 CHOICES = {"loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"), "scale_rewards": ("group",
            "batch", "none"), "logprob_impl": ("auto", "fused", "chunked", "naive"), "dtype": ("float32", "bfloat16"),
-           "importance_sampling_level": ("token", "sequence")}
+           "importance_sampling_level": ("token", "sequence"),
+           "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")}
 # (float16 would need a loss scaler, which this loop has not)
 finite = math.isfinite
 RANGES = {  # key: (is the value valid?, the valid range as an error states it)
@@ -131,6 +138,8 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
     "group_size": (lambda v: v >= 2, ">= 2 (the advantage is a reward minus its group's mean)"),
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
     "top_entropy_quantile": (lambda v: 0 <= v <= 1, "in [0, 1] (1 = every token carries the loss)"),
+    "vllm_importance_sampling_clip_min": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no lower bound)"),
+    "vllm_importance_sampling_clip_max": (lambda v: finite(v) and v > 0, "finite and > 0"),
     "eval_temperature": (lambda v: finite(v) and v > 0, "finite and > 0"),
     "overlong_penalty_factor": (lambda v: finite(v) and v >= 0, "finite and >= 0"),
     **{k: (lambda v: v >= 1, ">= 1") for k in ("max_steps", "prompts_per_step", "max_prompt_len", "max_completion_len",
@@ -141,7 +150,7 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
 }
 FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite", "mask_truncated_completions",
              "kv_reuse", "gradient_checkpointing", "task", "eval_file", "reward", "reward_weights",
-             "dynamic_sampling")  # strings checked below, and booleans
+             "dynamic_sampling", "vllm_importance_sampling_correction")  # strings checked below, and booleans
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
@@ -176,6 +185,10 @@ def check_config(cfg):
     if cfg.steps_per_generation >= 1 and cfg.prompts_per_step % cfg.steps_per_generation:
         errors.append(f"--steps_per_generation={cfg.steps_per_generation}: must divide --prompts_per_step="
                       f"{cfg.prompts_per_step} (each optimizer step takes an equal share of whole groups)")
+    if cfg.vllm_importance_sampling_clip_min >= cfg.vllm_importance_sampling_clip_max:
+        errors.append(f"--vllm_importance_sampling_clip_min={cfg.vllm_importance_sampling_clip_min} >= "
+                      f"--vllm_importance_sampling_clip_max={cfg.vllm_importance_sampling_clip_max}: min must be below "
+                      f"max")
     if cfg.loss_type == "cispo" and cfg.epsilon_high < 1:
         errors.append(f"--loss_type=cispo with --epsilon_high={cfg.epsilon_high}: cispo caps the importance weight AT "
                       f"epsilon_high (ScaleRL's eps_max, as TRL), so < 1 would shrink every on-policy gradient; use "
@@ -688,7 +701,8 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         policy.train()
         updates = [update_step(policy, optimizer, buf, mbs, cfg, master)
                    for _ in range(cfg.num_iterations) for mbs in steps]
-        stats = {k: (max if k.endswith("_max") else statistics.fmean)([u[k] for u in updates]) for k in updates[0]}
+        stats = {k: (max if k.endswith("_max") else min if k.endswith("_min") else statistics.fmean)(
+            [u[k] for u in updates]) for k in updates[0]}
         t2 = time.time()
         lens = buf["completion_mask"].sum(1).float()
         n_tok = int(buf["prompt_mask"].sum()) * cfg.group_size + int(lens.sum())

@@ -6,6 +6,7 @@ With no GPU, Triton kernels run under TRITON_INTERPRET=1 (set here, before trito
 tl.dot is wrong on bfloat16 (triton #11584), so CPU parity runs fp32/fp16; bf16 is checked on the GPU only.
 """
 import contextlib
+import math
 import os
 import sys
 import time
@@ -853,7 +854,8 @@ def _tiny_buffer(group_size=4):
     completion_mask = (torch.arange(C) < c_len[:, None]).long()  # right-padded
     buf = dict(prompt_ids=torch.randint(3, V, (B, P)) * prompt_mask + 2 * (1 - prompt_mask), prompt_mask=prompt_mask,
                completion_ids=torch.randint(3, V, (B * G, C)) * completion_mask + 2 * (1 - completion_mask),
-               completion_mask=completion_mask, truncated=c_len == C, group_size=G)
+               completion_mask=completion_mask, truncated=c_len == C, group_size=G,
+               sampler_logp=-3 * torch.rand(B * G, C) * completion_mask)  # far from the model's: IS weights vary
     rewards = torch.rand(B * G)
     return model, buf, rewards
 
@@ -874,7 +876,29 @@ _LOSS_VARIANTS = [dict(loss_type=t, epsilon_high=1.1 if t == "cispo" else 0.28) 
     dict(loss_type="cispo", epsilon_high=1.1, importance_sampling_level="sequence"),
     dict(loss_type="dapo", top_entropy_quantile=0.4),
     dict(loss_type="grpo", steps_per_generation=3, top_entropy_quantile=0.5),
-    dict(loss_type="dapo", steps_per_generation=3)]
+    dict(loss_type="dapo", steps_per_generation=3),
+    dict(loss_type="dapo", vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate"),
+    dict(loss_type="grpo", vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_mask",
+         vllm_importance_sampling_clip_max=30.0)]
+
+
+@check
+def test_batching_sampling_correction_modes_hand_computed():
+    """TRL's four importance-sampling modes on hand numbers: w = exp(old - sampler) per token, or exp of the row's sum
+    on every token of the row; *_truncate clamps to [clip_min, clip_max], *_mask zeroes what falls outside"""
+    import batching
+    keep = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)  # rows of 3 and 2 tokens
+    old = torch.tensor([0.0, -1.0, -2.0, -0.5, -0.5])
+    sampler = torch.tensor([-1.5, -1.0, -1.0, -1.0, -1.5])  # old - sampler = 1.5, 0, -1 | 0.5, 1
+    e = math.exp
+    want = {"token_truncate": [3.0, 1.0, max(e(-1), 0.5), e(0.5), e(1)],
+            "token_mask": [0.0, 1.0, 0.0, e(0.5), e(1)],  # e(-1) = 0.37 < clip_min 0.5: masked
+            "sequence_truncate": [e(0.5)] * 3 + [3.0] * 2,  # row sums 0.5 and 1.5
+            "sequence_mask": [e(0.5)] * 3 + [0.0] * 2}
+    for mode, w in want.items():
+        cfg = SimpleNamespace(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.5,
+                              vllm_importance_sampling_clip_max=3.0)
+        assert_close(batching.sampling_correction(old, sampler, keep, cfg), torch.tensor(w), 1e-6, mode)
 
 
 @check
@@ -1202,6 +1226,8 @@ def test_grpo_cli_two_steps_log_checkpoint_and_resume():
     assert [r["step"] for r in recs] == [0, 1, 2], recs
     for r in recs[1:]:
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]), r
+        # the sampler's log-probs (rollout's decode path) and the trainer's (the training forward) agree in fp32
+        assert 0 <= r["sampling_logp_diff"] <= r["sampling_logp_diff_max"] < 1e-3, r
     for f in ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt"):
         assert os.path.exists(os.path.join(out, "ckpt", f)), f"missing ckpt/{f}"
     res = _quiet_train(_train_args(out, 3, "--eval_size=100", "--resume=True"))
