@@ -35,6 +35,20 @@ ROW_KEYS = ("completion_ids", "completion_mask", "truncated", "advantages", "los
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
+# under torchrun every rank holds whole groups of the generation batch; the normalizers below are counted over the
+# ranks (global_sum), so the SUM over ranks of the ranks' gradients is the one-process gradient of the whole batch
+def distributed():
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def global_sum(x, op="sum"):
+    """x summed (or max / min) over the ranks of a torchrun job; x itself in one process"""
+    if distributed():
+        x = x.clone()
+        torch.distributed.all_reduce(x, op=getattr(torch.distributed.ReduceOp, op.upper()))
+    return x
+
+
 @torch.no_grad()
 def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature, top_p, eos_token_id,
             pad_token_id):
@@ -101,20 +115,22 @@ def loss_weights(completion_mask, loss_type, max_completion_len, steps_per_gener
         dapo, cispo:  sum_it l_it m_it / (M / K)                       (M: tokens of the whole GENERATION batch, K =
                                                                         steps_per_generation: TRL's num_items_in_batch)
         dr_grpo:      sum_it l_it m_it / (S * max_completion_len)      (constant normalizer, no length bias)
-    Rows whose mask is all zero (masked truncated completions) get weight 0 and do not count in S for grpo."""
+    Rows whose mask is all zero (masked truncated completions) get weight 0 and do not count in S for grpo.
+    Under torchrun each count (S, the tokens, the rows) is global_sum'd: mini-batch k is rank 0's k-th, rank 1's k-th...
+    """
     m = completion_mask.float()  # (B*G, C)
     K = steps_per_generation
     mk = m.view(K, -1, m.shape[1])  # (K, R, C)
     if loss_type == "grpo":
         lens = mk.sum(2, keepdim=True)  # (K, R, 1)
-        n_seq = (lens > 0).sum(1, keepdim=True).clamp_min(1)  # (K, 1, 1)
+        n_seq = global_sum((lens > 0).sum(1, keepdim=True)).clamp_min(1)  # (K, 1, 1)
         w = mk / lens.clamp_min(1) / n_seq
     elif loss_type == "bnpo":
-        w = mk / mk.sum((1, 2), keepdim=True).clamp_min(1)
+        w = mk / global_sum(mk.sum((1, 2), keepdim=True)).clamp_min(1)
     elif loss_type in ("dapo", "cispo"):
-        w = mk / (m.sum().clamp_min(1) / K)
+        w = mk / (global_sum(m.sum()).clamp_min(1) / K)
     elif loss_type == "dr_grpo":
-        w = mk / (mk.shape[1] * max_completion_len)
+        w = mk / (global_sum(torch.tensor(float(mk.shape[1]), device=m.device)) * max_completion_len)
     else:
         raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
     return w.reshape(m.shape)
@@ -323,6 +339,12 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
             totals[k] = (v if k not in totals else torch.maximum(totals[k], v) if k.endswith("_max") else
                          torch.minimum(totals[k], v) if k.endswith("_min") else totals[k] + v)
     params = list(model.parameters())
+    if distributed():  # every rank holds the whole model: sum the ranks' gradients (the weights are already global)
+        for p in params:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # a rank may have had no loss tokens
+                torch.distributed.all_reduce(p.grad)
+        totals, loss_total, w_sum = global_stats(totals, w_sum.device), global_sum(loss_total), global_sum(w_sum)
     if master is not None:  # the gradients move to the float32 masters first, so the clip norm is float32 too
         for m, p in zip(master, params):
             m.grad, p.grad = (p.grad.float() if p.grad is not None else None), None
@@ -341,6 +363,30 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
     out = dict.fromkeys(("clip_low", "clip_high", "clip_ratio", "entropy", "ratio_mean", "ratio_dev_max"), math.nan)
     out.update({k: v if k.endswith(("_max", "_min")) else v / max(w_sum, 1e-12) for k, v in zip(keys, vals)})
     out["loss"], out["grad_norm"] = loss_total, grad_norm
+    return out
+
+
+def global_stats(totals, dev):
+    """update_step's stats over all ranks: sums summed, *_max maxed, *_min minned (a rank that skipped every
+    micro-batch has no keys: it joins with the neutral value)"""
+    keys = sorted({k for ks in all_ranks(sorted(totals)) for k in ks})
+    out = {}
+    for op, ks, neutral in (("max", [k for k in keys if k.endswith("_max")], -math.inf),
+                            ("min", [k for k in keys if k.endswith("_min")], math.inf),
+                            ("sum", [k for k in keys if not k.endswith(("_max", "_min"))], 0.0)):
+        if ks:
+            v = global_sum(torch.stack([totals[k].float() if k in totals else torch.tensor(neutral, device=dev)
+                                           for k in ks]), op)
+            out.update(zip(ks, v))
+    return out
+
+
+def all_ranks(x):
+    """[x of rank 0, x of rank 1, ...] for a picklable x; [x] in one process"""
+    if not distributed():
+        return [x]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, x)
     return out
 
 

@@ -938,6 +938,94 @@ def test_batching_grad_same_for_any_micro_batch_split():
         assert_close(grads[1], grads[0], 1e-5, f"grad {variant}")
 
 
+def _dist_buffer():
+    """4 groups x 3 completions for 2 ranks (groups 0-1 on rank 0, 2-3 on rank 1): rank 0's completions short, rank
+    1's long, so a rank-local token or sequence count would give the wrong normalizer"""
+    torch.manual_seed(5)
+    B, G, P, C, V = 4, 3, 6, 8, 99
+    p_len = torch.tensor([6, 2, 4, 5])
+    c_len = torch.tensor([1, 2, 1, 2, 3, 1, 8, 7, 8, 6, 8, 5])  # (B*G,): ranks hold 10 and 42 tokens
+    prompt_mask = (torch.arange(P) >= P - p_len[:, None]).long()
+    completion_mask = (torch.arange(C) < c_len[:, None]).long()
+    buf = dict(prompt_ids=torch.randint(3, V, (B, P)) * prompt_mask + 2 * (1 - prompt_mask), prompt_mask=prompt_mask,
+               completion_ids=torch.randint(3, V, (B * G, C)) * completion_mask + 2 * (1 - completion_mask),
+               completion_mask=completion_mask, truncated=c_len == C, group_size=G)
+    return buf, torch.rand(B * G)
+
+
+def _dist_grads_and_step(model, buf, rewards, cfg, out):
+    """prepare_buffer, this process's gradient (before any all-reduce), then one update_step (AdamW); saved to out"""
+    import batching
+    import grpo
+    steps, _ = batching.prepare_buffer(model, None, buf, rewards, cfg)
+    for b0, b1 in steps[0]:
+        loss, _ = batching.micro_batch_loss(model, batching.slice_groups(buf, b0, b1), cfg)
+        loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    optimizer, _ = grpo.make_optimizer(model, cfg, torch.float32)
+    stats = batching.update_step(model, optimizer, buf, steps[0], cfg)
+    torch.save(dict(grads=grads, weights=[p.detach().clone() for p in model.parameters()], stats=stats), out)
+
+
+def _dist_worker(rank, world, port, tmp, model_dir):
+    """one rank of test_batching_two_ranks_sum_to_one_process (torch.multiprocessing.spawn, gloo)"""
+    import datetime
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    import batching
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        for loss_type in ("dapo", "grpo"):
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            buf, rewards = _dist_buffer()
+            mine = list(range(rank * 2, rank * 2 + 2))  # whole groups: the advantages stay local
+            local = batching.select_groups(buf, mine)
+            G = buf["group_size"]
+            _dist_grads_and_step(model, local, rewards.view(-1, G)[mine].reshape(-1),
+                                 _trainer_cfg(loss_type=loss_type, micro_batch_tokens=30),
+                                 f"{tmp}/{loss_type}_rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@check
+def test_batching_two_ranks_sum_to_one_process():
+    """torchrun's data path on CPU (gloo, 2 processes, KV reuse on): each rank holds 2 of 4 groups, with very uneven
+    completion lengths; the loss normalizers are counted over both ranks, so the SUM of the two ranks' gradients is
+    the one-process gradient of all 4 groups, and after update_step (gradients all-reduced, AdamW) both ranks hold
+    the one-process weights; the logged loss and grad_norm are the global ones. For dapo (token count) and grpo
+    (sequence count) normalizers."""
+    import socket
+    import tempfile
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+    import batching
+    assert not batching.distributed()
+    tmp = tempfile.mkdtemp(prefix="nanogrpo_dist_")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_dist_worker, args=(2, port, tmp, _tiny_model_dir()), nprocs=2)
+    for loss_type in ("dapo", "grpo"):
+        model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
+        buf, rewards = _dist_buffer()
+        cfg = _trainer_cfg(loss_type=loss_type, micro_batch_tokens=30)
+        assert cfg.kv_reuse
+        _dist_grads_and_step(model, buf, rewards, cfg, f"{tmp}/{loss_type}_one.pt")
+        one, r0, r1 = (torch.load(f"{tmp}/{loss_type}_{n}.pt") for n in ("one", "rank0", "rank1"))
+        for i, g in enumerate(one["grads"]):
+            assert_close(r0["grads"][i] + r1["grads"][i], g, 1e-5, f"{loss_type} summed grad {i}")
+        for r in (r0, r1):
+            for i, w in enumerate(one["weights"]):
+                assert_close(r["weights"][i], w, 1e-5, f"{loss_type} weights {i}")
+            for k in ("loss", "grad_norm", "entropy", "clip_ratio"):
+                assert abs(r["stats"][k] - one["stats"][k]) <= 1e-5 * max(1.0, abs(one["stats"][k])), (
+                    loss_type, k, r["stats"][k], one["stats"][k])
+
+
 def _policy_cfg(**kw):
     return SimpleNamespace(**{"loss_type": "dapo", "importance_sampling_level": "token", "epsilon": 0.2,
                               "epsilon_high": 0.28, **kw})
