@@ -88,6 +88,7 @@ save_every = 50
 out_dir = "out"  # log.jsonl, ckpt/, curves.png, LOCK; an earlier run there is never replaced silently
 resume = False  # continue the run in out_dir from its checkpoint
 overwrite = False  # replace an earlier run in out_dir (its log.jsonl, curves.png and checkpoint)
+dist_timeout_minutes = 10.0  # torchrun: a collective that waits longer (a rank died or hangs) ends the job
 
 CONFIG_KEYS = [k for k, v in list(globals().items()) if not k.startswith("_") and isinstance(v, (bool, int, float, str))]
 
@@ -142,6 +143,7 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
     "vllm_importance_sampling_clip_max": (lambda v: finite(v) and v > 0, "finite and > 0"),
     "eval_temperature": (lambda v: finite(v) and v > 0, "finite and > 0"),
     "overlong_penalty_factor": (lambda v: finite(v) and v >= 0, "finite and >= 0"),
+    "dist_timeout_minutes": (lambda v: finite(v) and v > 0, "finite and > 0"),
     **{k: (lambda v: v >= 1, ">= 1") for k in ("max_steps", "prompts_per_step", "max_prompt_len", "max_completion_len",
                                               "num_iterations", "micro_batch_tokens", "eval_size", "difficulty",
                                               "steps_per_generation", "max_sampling_tries")},
@@ -182,7 +184,10 @@ def check_config(cfg):
     errors = [f"--{k}={getattr(cfg, k)!r}: use one of {ok}" for k, ok in CHOICES.items() if getattr(cfg, k) not in ok]
     errors += [f"--{k}={getattr(cfg, k)!r}: must be {why}" for k, (ok, why) in RANGES.items()
                if not ok(getattr(cfg, k))]
-    if cfg.steps_per_generation >= 1 and cfg.prompts_per_step % cfg.steps_per_generation:
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the process group starts after these checks
+    if world > 1:
+        errors += world_size_errors(cfg, world)
+    elif cfg.steps_per_generation >= 1 and cfg.prompts_per_step % cfg.steps_per_generation:
         errors.append(f"--steps_per_generation={cfg.steps_per_generation}: must divide --prompts_per_step="
                       f"{cfg.prompts_per_step} (each optimizer step takes an equal share of whole groups)")
     if cfg.vllm_importance_sampling_clip_min >= cfg.vllm_importance_sampling_clip_max:
@@ -233,6 +238,67 @@ def resolve(cfg):
     if cfg.logprob_impl == "auto":  # the Triton kernel runs on CPU only under TRITON_INTERPRET=1, slowly
         cfg.logprob_impl = "fused" if dev.type == "cuda" else "chunked"
     return dev, getattr(torch, cfg.dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# more than one process: `torchrun --nproc_per_node=N grpo.py ...`. Each rank holds the whole model (a replica),
+# generates and scores its own prompts_per_step / N whole groups (advantages stay local) from its own RNG stream
+# (seed + rank), and update_step sums the ranks' gradients; batching.py counts the loss normalizers over all ranks,
+# so that sum is the one-process gradient of the whole step. Rank 0 alone prints, evaluates, logs and saves.
+# Plain `python grpo.py` sets no RANK: rank 0 of 1, and nothing here runs.
+# ------------------------------------------------------------------------------------------------------------------
+def setup_distributed(cfg, dev):
+    """the process group from torchrun's environment; returns (rank, world size, this rank's device)"""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 0, 1, dev
+    import datetime
+    import torch.distributed as dist
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local)  # one GPU per process
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(minutes=cfg.dist_timeout_minutes))  # no endless hang
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 prints; errors (stderr) still show from every rank
+    return rank, world, dev
+
+
+def world_size_errors(cfg, world):
+    """what a torchrun job of `world` processes cannot run, said before anything loads"""
+    errors, local = [], cfg.prompts_per_step // world
+    if cfg.prompts_per_step % world:
+        errors.append(f"--prompts_per_step={cfg.prompts_per_step} does not split into whole groups over {world} "
+                      f"processes (torchrun's WORLD_SIZE={world}): use a multiple of {world}")
+    elif cfg.steps_per_generation >= 1 and local % cfg.steps_per_generation:
+        errors.append(f"--steps_per_generation={cfg.steps_per_generation}: must divide each process's "
+                      f"{local} prompts (--prompts_per_step={cfg.prompts_per_step} over WORLD_SIZE={world})")
+    if cfg.top_entropy_quantile < 1:
+        errors.append(f"--top_entropy_quantile={cfg.top_entropy_quantile}: its threshold is over the whole mini-batch, "
+                      f"which is not gathered across processes yet (WORLD_SIZE={world}): use one process")
+    if cfg.scale_rewards == "batch":
+        errors.append(f"--scale_rewards=batch: the batch std is not gathered across processes yet (WORLD_SIZE="
+                      f"{world}): use group or none, or one process")
+    return errors
+
+
+def rank0_value(x):
+    """rank 0's x on every rank (the others wait here until rank 0 has it); x in one process"""
+    if world_size() == 1:
+        return x
+    box = [x]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def world_size():
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank():
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -456,6 +522,13 @@ def recover_checkpoint(out_dir):
 
 
 def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
+    """every rank calls it (its RNG state goes in); rank 0 writes: its replica and optimizer are everyone's"""
+    rng = dict(torch=torch.get_rng_state(), python=random.getstate(),
+               cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    from batching import all_ranks
+    rngs = all_ranks(rng)
+    if rank() != 0:
+        return
     recover_checkpoint(cfg.out_dir)  # no ckpt.tmp or ckpt.old left in the way (a leftover ckpt.old wedged saves)
     final = os.path.join(cfg.out_dir, "ckpt")
     tmp, old = final + ".tmp", final + ".old"
@@ -464,10 +537,9 @@ def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
     else:
         model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    rng = dict(torch=torch.get_rng_state(), python=random.getstate(),
-               cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     state = os.path.join(tmp, "trainer_state.pt")
-    torch.save(dict(step=step, optimizer=optimizer.state_dict(), rng=rng, config=vars(cfg)), state + ".part")
+    torch.save(dict(step=step, optimizer=optimizer.state_dict(), rng=rng, rng_ranks=rngs, world_size=len(rngs),
+                    config=vars(cfg)), state + ".part")
     os.replace(state + ".part", state)  # tmp is complete from here on
     if os.path.exists(final):
         os.replace(final, old)
@@ -494,12 +566,13 @@ def check_resume_config(saved, cfg):
         print(f"resume: --{k} changed from {a!r} to {b!r}")
 
 
-def restore_trainer_state(state, optimizer):
+def restore_trainer_state(state, optimizer, r=0):
     optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    rng = state["rng_ranks"][r] if "rng_ranks" in state else state["rng"]  # this rank's own stream
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
     return state["step"]
 
 
@@ -581,14 +654,15 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
     dropped and prompts_per_step more prompts are drawn, at most max_sampling_tries draws in all, until
     prompts_per_step informative groups are there (short of that, uninformative groups fill the batch, so its size
     never changes). Returns (buffer, rewards (B*G,), stats over EVERY sampled completion of the step)."""
-    from batching import concat_groups, rollout, select_groups
-    n, G = cfg.prompts_per_step, cfg.group_size
+    from batching import all_ranks, concat_groups, rollout, select_groups
+    n, G = cfg.prompts_per_step // world_size(), cfg.group_size  # this rank's share of the step's groups
     kept, spare, draws, sampled = [], [], [], []  # kept / spare: (draw, group); sampled: (total, correct, parts, pen)
     n_flat = 0  # sampled groups whose rewards are all equal
     for t in range(cfg.max_sampling_tries if cfg.dynamic_sampling else 1):
         # draw t of step s: a seed no other (step, draw) uses, so a resumed run draws exactly the same prompts
         seed = cfg.seed * 100_003 + step + t * 7_919_000_003
-        batch = train_prompts(make_prompts, n, seed, cfg.difficulty, eval_questions)
+        batch = train_prompts(make_prompts, cfg.prompts_per_step, seed, cfg.difficulty, eval_questions)
+        batch = batch[rank() * n:(rank() + 1) * n]  # the one-process step's prompts, cut into whole groups per rank
         prompt_ids, prompt_mask = encode_prompts(tokenizer, [q for q, _ in batch], cfg.max_prompt_len, dev)
         try:
             buf = rollout(policy, prompt_ids, prompt_mask, G, cfg.max_completion_len, cfg.temperature, cfg.top_p,
@@ -616,11 +690,14 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
     buf = draws[0][0] if len(draws) == 1 else concat_groups([select_groups(d, idx) for d, _, idx in picks],
                                                             tokenizer.pad_token_id)
     rewards = torch.cat([r.view(n, G)[idx].view(-1) for _, r, idx in picks])  # (B*G,) in buf's order
-    totals = torch.cat([r for _, r in draws])  # every sampled completion's reward, as trained on
+    # every sampled completion's reward, as trained on, of every rank
+    parts = all_ranks((torch.cat([r for _, r in draws]).tolist(), sampled, n_flat, len(draws)))
+    totals = torch.tensor(sum((p[0] for p in parts), []))
+    sampled, n_flat, tries = sum((p[1] for p in parts), []), sum(p[2] for p in parts), [p[3] for p in parts]
     stats = dict(reward_mean=totals.mean().item(), reward_std=totals.std().item(),
                  accuracy=sum(s[1] for s in sampled) / len(sampled),
-                 sampling_tries=len(draws), extra_rollouts=(len(draws) - 1) * n * G,
-                 sampled_frac_reward_zero_std=n_flat / (n * len(draws)))
+                 sampling_tries=max(tries), extra_rollouts=sum(t - 1 for t in tries) * n * G,
+                 sampled_frac_reward_zero_std=n_flat / (n * sum(tries)))
     for i, name in enumerate(reward_names(cfg.reward)):
         stats[f"reward/{name}"] = statistics.fmean(s[2][i] for s in sampled)
     if cfg.soft_punish_cache:
@@ -632,28 +709,41 @@ def train(argv):
     t_start = time.time()
     cfg = parse_config(argv)
     dev, dt = resolve(cfg)  # every value checked: a bad one is refused before anything loads or is written
-    print("config:", json.dumps(vars(cfg)), f"(resolved device={dev}, logprob_impl={cfg.logprob_impl})")
-    make_prompts, reward_fn, eval_set = load_task(cfg.task, cfg.difficulty, cfg.eval_size, cfg.eval_file)
-    check_training_pool(make_prompts, cfg.seed * 100_003 + 1, cfg.difficulty, {q for q, _ in eval_set})
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    lock = take_lock(cfg.out_dir)
+    r, world, dev = setup_distributed(cfg, dev)  # (rank 0 of 1 without torchrun)
     try:
-        return run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start)
+        print("config:", json.dumps(vars(cfg)), f"(resolved device={dev}, logprob_impl={cfg.logprob_impl}"
+              + (f", {world} processes" if world > 1 else "") + ")")
+        make_prompts, reward_fn, eval_set = load_task(cfg.task, cfg.difficulty, cfg.eval_size, cfg.eval_file)
+        check_training_pool(make_prompts, cfg.seed * 100_003 + 1, cfg.difficulty, {q for q, _ in eval_set})
+        lock = None
+        if r == 0:  # out_dir is rank 0's
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            lock = take_lock(cfg.out_dir)
+        try:
+            return run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start)
+        finally:
+            if lock and os.path.exists(lock):
+                os.remove(lock)
     finally:
-        if os.path.exists(lock):
-            os.remove(lock)
+        if world > 1:
+            torch.distributed.destroy_process_group()
 
 
 def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     from tqdm import tqdm
 
-    from batching import prepare_buffer, update_step
-    ckpt = prepare_out_dir(cfg)
+    from batching import all_ranks, prepare_buffer, update_step
+    r, world = rank(), world_size()
+    ckpt = rank0_value(prepare_out_dir(cfg) if r == 0 else None)  # the other ranks wait for rank 0's recovery
     state = read_trainer_state(ckpt) if ckpt else None
     if state:
         check_resume_config(state["config"], cfg)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
+        if state.get("world_size", 1) != world:  # each rank's RNG stream and groups belong to its process count
+            raise ValueError(f"{ckpt} was written by a run of {state.get('world_size', 1)} process(es); this one has "
+                             f"{world}: resume with the same number (torchrun --nproc_per_node=N, or plain python "
+                             f"for 1)")
+    torch.manual_seed(cfg.seed + r)  # each rank samples its own completions; rank 0 (one process) as before
+    random.seed(cfg.seed + r)
     base = resolve_model_path(cfg.model, cfg.gguf_dir)  # on resume the policy comes from ckpt, the reference from here
     tokenizer = load_tokenizer(ckpt or base)
     encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)  # max_prompt_len: said before loading
@@ -669,20 +759,23 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     log_path = os.path.join(cfg.out_dir, "log.jsonl")
     step = 0
     if state:
-        step = restore_trainer_state(state, optimizer)
+        step = restore_trainer_state(state, optimizer, r)
         del state
-        records = read_log(log_path, step)  # steps logged after the checkpoint are dropped (and redone)
+        records = read_log(log_path, step) if r == 0 else []  # steps logged after the checkpoint are dropped (redone)
         print(f"resumed from {ckpt} at step {step}")
     else:
         records = []
-        ev = evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev)
-        records.append(dict(step=0, **ev, minutes=(time.time() - t_start) / 60))
-        print(f"step 0: held-out greedy accuracy {ev['eval_accuracy']:.3f} (format {ev['eval_format']:.3f}) on "
-              f"{len(eval_set)} prompts" + (f", pass@{cfg.eval_pass_k} {ev['eval_pass_k']:.3f}" if cfg.eval_pass_k
-                                             else ""))
-    write_log(log_path, records)
+        if r == 0:  # (the other ranks wait at the first collective of step 1: dist_timeout_minutes covers it)
+            ev = evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev)
+            records.append(dict(step=0, **ev, minutes=(time.time() - t_start) / 60))
+            print(f"step 0: held-out greedy accuracy {ev['eval_accuracy']:.3f} (format {ev['eval_format']:.3f}) on "
+                  f"{len(eval_set)} prompts" + (f", pass@{cfg.eval_pass_k} {ev['eval_pass_k']:.3f}"
+                                                 if cfg.eval_pass_k else ""))
+    if r == 0:
+        write_log(log_path, records)
 
-    pbar = tqdm(range(step + 1, cfg.max_steps + 1), initial=step, total=cfg.max_steps, desc="grpo", dynamic_ncols=True)
+    pbar = tqdm(range(step + 1, cfg.max_steps + 1), initial=step, total=cfg.max_steps, desc="grpo", dynamic_ncols=True,
+                disable=r != 0)
     for step in pbar:
         for g in optimizer.param_groups:  # linear warmup, then constant (stateless, so resume needs nothing)
             g["lr"] = cfg.lr * min(1.0, step / max(cfg.warmup_steps, 1))
@@ -704,24 +797,28 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         stats = {k: (max if k.endswith("_max") else min if k.endswith("_min") else statistics.fmean)(
             [u[k] for u in updates]) for k in updates[0]}
         t2 = time.time()
-        lens = buf["completion_mask"].sum(1).float()
+        lens, truncated = buf["completion_mask"].sum(1).float(), buf["truncated"].float()
         n_tok = int(buf["prompt_mask"].sum()) * cfg.group_size + int(lens.sum())
+        if world > 1:  # the step's numbers over every rank's groups
+            lens, truncated = (torch.tensor(sum(all_ranks(x.tolist()), [])) for x in (lens, truncated))
+            n_tok, frac_zero_std = sum(all_ranks(n_tok)), statistics.fmean(all_ranks(frac_zero_std))
         rec = dict(step=step, **sample_stats, reward_errors=reward_count["errors"] - errors_before,
                    frac_reward_zero_std=frac_zero_std,
                    completion_len_mean=lens.mean().item(), completion_len_max=int(lens.max()),
-                   truncated=buf["truncated"].float().mean().item(), **stats, optimizer_steps=len(updates),
+                   truncated=truncated.mean().item(), **stats, optimizer_steps=len(updates),
                    micro_batches=sum(len(mbs) for mbs in steps),
                    lr=optimizer.param_groups[0]["lr"], gen_s=t1 - t0, update_s=t2 - t1, tokens_per_s=n_tok / (t2 - t0),
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0,
                    minutes=(time.time() - t_start) / 60)
         rec = {k: v for k, v in rec.items() if not (isinstance(v, float) and math.isnan(v))}  # strict JSON: no NaN
-        out_of_time = cfg.max_minutes > 0 and time.time() - t_start > cfg.max_minutes * 60
+        out_of_time = rank0_value(cfg.max_minutes > 0 and time.time() - t_start > cfg.max_minutes * 60)  # all stop
         last = step == cfg.max_steps or out_of_time
-        if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or last:
+        if r == 0 and ((cfg.eval_every > 0 and step % cfg.eval_every == 0) or last):
             rec.update(evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev))
         records.append(rec)
-        with open(log_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        if r == 0:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
         pbar.set_postfix(reward=f"{rec['reward_mean']:.3f}", acc=f"{rec['accuracy']:.2f}")
         tqdm.write(format_record(rec))
         if (cfg.save_every > 0 and step % cfg.save_every == 0) or last:
@@ -730,7 +827,8 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
             tqdm.write(f"max_minutes={cfg.max_minutes} reached after step {step}")
             break
     pbar.close()
-    plot_curves(records, cfg.out_dir)
+    if r == 0:
+        plot_curves(records, cfg.out_dir)
     evals = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
     print(f"held-out greedy accuracy by step: {evals}")
     curves = os.path.join(cfg.out_dir, "curves.png")
