@@ -1677,6 +1677,51 @@ def _train_output(args):
 
 
 @check
+def test_grpo_torchrun_two_steps_logged_once():
+    """`torchrun --nproc_per_node=2 grpo.py` on CPU (gloo): 2 steps, each logged once (one line per step in
+    log.jsonl and on stdout), a checkpoint that loads in one process and holds both ranks' RNG streams (different:
+    the ranks sample different completions); a plain one-process resume of it and a prompts_per_step that does not
+    split over WORLD_SIZE are refused with both numbers named. (A torchrun resume to step 3 passed by hand; a second
+    launch would add ~9 s to CI.)"""
+    import json
+    import socket
+    import subprocess
+    import tempfile
+    from transformers import AutoModelForCausalLM
+    import grpo
+    out = tempfile.mkdtemp(prefix="nanogrpo_torchrun_")
+
+    def torchrun(steps, *extra):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+               "grpo.py", *_train_args(out, steps, "--eval_every=0", "--dist_timeout_minutes=2", *extra)]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p.stdout
+
+    stdout = torchrun(2)
+    assert "2 processes" in stdout and [stdout.count(f"step {i}:") for i in (0, 1, 2)] == [1, 1, 1], stdout[-2000:]
+    recs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+    assert [r["step"] for r in recs] == [0, 1, 2], recs
+    assert all(math.isfinite(r["loss"]) for r in recs[1:]), recs
+    state = torch.load(os.path.join(out, "ckpt", "trainer_state.pt"), weights_only=False)
+    assert state["world_size"] == 2 and len(state["rng_ranks"]) == 2, state.keys()
+    assert not torch.equal(state["rng_ranks"][0]["torch"], state["rng_ranks"][1]["torch"]), "ranks share one stream"
+    assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "ckpt")).num_parameters() > 0
+    res, _ = _train_output(_train_args(out, 3, "--resume=True"))
+    assert isinstance(res, ValueError) and "2 process(es); this one has 1" in str(res), res
+    os.environ["WORLD_SIZE"] = "2"
+    try:
+        assert_raises(ValueError, lambda: grpo.resolve(grpo.parse_config(["--prompts_per_step=3", "--device=cpu"])),
+                      "--prompts_per_step=3 does not split into whole groups over 2 processes")
+    finally:
+        del os.environ["WORLD_SIZE"]
+
+
+@check
 def test_grpo_checkpoint_recovers_from_every_kill_point():
     """each on-disk state a kill inside save_checkpoint can leave (or a kill inside the recovery itself) becomes one
     plain ckpt/ holding the newest complete save; and a resume from the state that wedged every later save
