@@ -624,14 +624,16 @@ def make_optimizer(policy, cfg, dt):
 def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
     """held-out greedy accuracy and format rate (temperature 0, one completion per prompt); with eval_pass_k = k > 0
     also pass@k: the fraction of prompts with at least one correct answer among k samples at eval_temperature
-    (n = k samples, so the estimator 1 - C(n-c, k)/C(n, k) of Chen et al. is just "any correct"). Returns a dict."""
-    from batching import rollout
+    (n = k samples, so the estimator 1 - C(n-c, k)/C(n, k) of Chen et al. is just "any correct"). Under torchrun
+    every rank calls it on its own share of the prompts and the counts are summed. Returns a dict."""
+    from batching import all_ranks, rollout
     model.eval()
     correct = fmt = passed = 0
     k = cfg.eval_pass_k
     batch = max(1, batch // max(k, 1))  # prompts per chunk: k samples each
-    for i in range(0, len(eval_set), batch):
-        chunk = eval_set[i:i + batch]
+    mine = eval_set[rank()::world_size()]  # (all of it in one process)
+    for i in range(0, len(mine), batch):
+        chunk = mine[i:i + batch]
         ids, mask = encode_prompts(tokenizer, [q for q, _ in chunk], cfg.max_prompt_len, dev)
         for n, temp in ((1, 0.0),) + (((k, cfg.eval_temperature),) if k else ()):
             buf = rollout(model, ids, mask, n, cfg.max_completion_len, temp, 1.0, tokenizer.eos_token_id,
@@ -643,6 +645,7 @@ def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
                 fmt += sum(r > 0 for r, _, _ in scored)
             else:
                 passed += sum(any(ok for _, ok, _ in scored[j:j + n]) for j in range(0, len(scored), n))
+    correct, fmt, passed = (sum(x) for x in zip(*all_ranks((correct, fmt, passed))))
     out = dict(eval_accuracy=correct / len(eval_set), eval_format=fmt / len(eval_set))
     if k:
         out["eval_pass_k"] = passed / len(eval_set)
@@ -766,12 +769,11 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         print(f"resumed from {ckpt} at step {step}")
     else:
         records = []
-        if r == 0:  # (the other ranks wait at the first collective of step 1: dist_timeout_minutes covers it)
-            ev = evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev)
-            records.append(dict(step=0, **ev, minutes=(time.time() - t_start) / 60))
-            print(f"step 0: held-out greedy accuracy {ev['eval_accuracy']:.3f} (format {ev['eval_format']:.3f}) on "
-                  f"{len(eval_set)} prompts" + (f", pass@{cfg.eval_pass_k} {ev['eval_pass_k']:.3f}"
-                                                 if cfg.eval_pass_k else ""))
+        ev = evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev)
+        records.append(dict(step=0, **ev, minutes=(time.time() - t_start) / 60))
+        print(f"step 0: held-out greedy accuracy {ev['eval_accuracy']:.3f} (format {ev['eval_format']:.3f}) on "
+              f"{len(eval_set)} prompts" + (f", pass@{cfg.eval_pass_k} {ev['eval_pass_k']:.3f}" if cfg.eval_pass_k
+                                             else ""))
     if r == 0:
         write_log(log_path, records)
 
@@ -814,7 +816,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         rec = {k: v for k, v in rec.items() if not (isinstance(v, float) and math.isnan(v))}  # strict JSON: no NaN
         out_of_time = rank0_value(cfg.max_minutes > 0 and time.time() - t_start > cfg.max_minutes * 60)  # all stop
         last = step == cfg.max_steps or out_of_time
-        if r == 0 and ((cfg.eval_every > 0 and step % cfg.eval_every == 0) or last):
+        if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or last:  # every rank: the eval is sharded
             rec.update(evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev))
         records.append(rec)
         if r == 0:

@@ -1680,8 +1680,9 @@ def _train_output(args):
 def test_grpo_torchrun_two_steps_logged_once():
     """`torchrun --nproc_per_node=2 grpo.py` on CPU (gloo): 2 steps, each logged once (one line per step in
     log.jsonl and on stdout), a checkpoint that loads in one process and holds both ranks' RNG streams (different:
-    the ranks sample different completions); a plain one-process resume of it and a prompts_per_step that does not
-    split over WORLD_SIZE are refused with both numbers named. (A torchrun resume to step 3 passed by hand; a second
+    the ranks sample different completions); the held-out eval, sharded over the ranks, counts every prompt (a
+    reward that marks everything correct gives accuracy 1, not rank 0's half); a plain one-process resume of it and
+    a prompts_per_step that does not split over WORLD_SIZE are refused with both numbers named. (A torchrun resume to step 3 passed by hand; a second
     launch would add ~9 s to CI.)"""
     import json
     import socket
@@ -1690,13 +1691,15 @@ def test_grpo_torchrun_two_steps_logged_once():
     from transformers import AutoModelForCausalLM
     import grpo
     out = tempfile.mkdtemp(prefix="nanogrpo_torchrun_")
+    _write(os.path.join(out, "all_correct.py"), "def reward(text, example):\n    return 1.0, True\n")
 
     def torchrun(steps, *extra):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-               "grpo.py", *_train_args(out, steps, "--eval_every=0", "--dist_timeout_minutes=2", *extra)]
+               "grpo.py", *_train_args(out, steps, "--eval_every=0", "--dist_timeout_minutes=2",
+                                              f"--reward={out}/all_correct.py:reward", *extra)]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                            cwd=os.path.dirname(os.path.abspath(__file__)))
         assert p.returncode == 0, p.stderr[-3000:]
@@ -1707,6 +1710,7 @@ def test_grpo_torchrun_two_steps_logged_once():
     recs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
     assert [r["step"] for r in recs] == [0, 1, 2], recs
     assert all(math.isfinite(r["loss"]) for r in recs[1:]), recs
+    assert [recs[0]["eval_accuracy"], recs[2]["eval_accuracy"], recs[1]["accuracy"]] == [1.0, 1.0, 1.0], recs
     state = torch.load(os.path.join(out, "ckpt", "trainer_state.pt"), weights_only=False)
     assert state["world_size"] == 2 and len(state["rng_ranks"]) == 2, state.keys()
     assert not torch.equal(state["rng_ranks"][0]["torch"], state["rng_ranks"][1]["torch"]), "ranks share one stream"
