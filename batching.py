@@ -339,15 +339,15 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
             totals[k] = (v if k not in totals else torch.maximum(totals[k], v) if k.endswith("_max") else
                          torch.minimum(totals[k], v) if k.endswith("_min") else totals[k] + v)
     params = list(model.parameters())
-    if distributed():  # every rank holds the whole model: sum the ranks' gradients (the weights are already global)
-        for p in params:
+    if master is not None:  # the gradients move to the float32 masters first, so the clip norm is float32 too
+        for m, p in zip(master, params):
+            m.grad, p.grad = (p.grad.float() if p.grad is not None else None), None
+    if distributed():  # every rank holds the whole model: sum the ranks' gradients (the weights are already global),
+        for p in (master if master is not None else params):  # in float32 where there are masters
             if p.requires_grad:
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # a rank may have had no loss tokens
                 torch.distributed.all_reduce(p.grad)
         totals, loss_total, w_sum = global_stats(totals, w_sum.device), global_sum(loss_total), global_sum(w_sum)
-    if master is not None:  # the gradients move to the float32 masters first, so the clip norm is float32 too
-        for m, p in zip(master, params):
-            m.grad, p.grad = (p.grad.float() if p.grad is not None else None), None
     grad_norm = torch.nn.utils.clip_grad_norm_(master if master is not None else params,
                                                cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
     optimizer.step()

@@ -837,6 +837,8 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     curves = os.path.join(cfg.out_dir, "curves.png")
     print(f"log: {log_path}  plot: {curves if os.path.exists(curves) else '(pip install matplotlib)'}  checkpoint: "
           f"{os.path.join(cfg.out_dir, 'ckpt')}  total {(time.time() - t_start) / 60:.1f} min")
+    if world > 1:  # leave together: a rank tearing down gloo while rank 0 still saves aborted ("terminate called")
+        torch.distributed.barrier()
     return SimpleNamespace(cfg=cfg, model=policy, records=records)
 
 
