@@ -1546,6 +1546,33 @@ def test_grpo_dynamic_sampling_refills_informative_groups():
 
 
 @check
+def test_grpo_ranks_split_the_steps_prompts_by_whole_groups():
+    """sample_step as rank 0 and rank 1 of 2 (rank / world_size stand-ins, no process group): each rank gets half of
+    the one-process step's prompts, together exactly them in order, each prompt with its G completions"""
+    import grpo
+    from transformers import AutoModelForCausalLM
+    tok = grpo.load_tokenizer(_tiny_model_dir())
+    model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
+    make_prompts, reward_fn, eval_set = grpo.load_task("arithmetic", 1, 4, "")
+    cfg = grpo.parse_config(["--prompts_per_step=4", "--group_size=2", "--max_completion_len=3", "--device=cpu"])
+    excl = {q for q, _ in eval_set}
+    fn, _ = grpo.make_reward(reward_fn, cfg.reward, cfg.reward_weights)
+
+    def prompts(r, world):
+        rank, world_size = grpo.rank, grpo.world_size
+        grpo.rank, grpo.world_size = (lambda: r), (lambda: world)
+        try:
+            buf, rewards, _ = grpo.sample_step(cfg, 3, model, tok, make_prompts, fn, excl, torch.device("cpu"))
+        finally:
+            grpo.rank, grpo.world_size = rank, world_size
+        assert buf["completion_ids"].shape[0] == rewards.shape[0] == 2 * buf["prompt_ids"].shape[0]
+        return tok.batch_decode(buf["prompt_ids"], skip_special_tokens=True)
+
+    one, r0, r1 = prompts(0, 1), prompts(0, 2), prompts(1, 2)
+    assert len(one) == 4 and len(set(one)) > 1 and r0 + r1 == one, (one, r0, r1)
+
+
+@check
 def test_grpo_eval_pass_at_k():
     """pass@k beside greedy accuracy: at a near-zero eval_temperature every sample is the greedy answer, so pass@k ==
     greedy accuracy; at temperature 2 with "correct" = a digit in the text (greedy writes none), pass@4 > pass@1 > 0"""
