@@ -342,8 +342,8 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
     if master is not None:  # the gradients move to the float32 masters first, so the clip norm is float32 too
         for m, p in zip(master, params):
             m.grad, p.grad = (p.grad.float() if p.grad is not None else None), None
-    if distributed():  # every rank holds the whole model: sum the ranks' gradients (the weights are already global),
-        for p in (master if master is not None else params):  # in float32 where there are masters
+    if distributed():  # every rank holds the whole model: sum the ranks' gradients (the loss weights carry the
+        for p in (master if master is not None else params):  # global normalizers), in float32 where there are masters
             if p.requires_grad:
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # a rank may have had no loss tokens
                 torch.distributed.all_reduce(p.grad)

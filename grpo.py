@@ -245,8 +245,8 @@ def resolve(cfg):
 # more than one process: `torchrun --nproc_per_node=N grpo.py ...`. Each rank holds the whole model (a replica),
 # generates and scores its own prompts_per_step / N whole groups (advantages stay local) from its own RNG stream
 # (seed + rank), and update_step sums the ranks' gradients; batching.py counts the loss normalizers over all ranks,
-# so that sum is the one-process gradient of the whole step. Rank 0 alone prints, evaluates, logs and saves.
-# Plain `python grpo.py` sets no RANK: rank 0 of 1, and nothing here runs.
+# so that sum is the one-process gradient of the whole step. The held-out eval is sharded; rank 0 alone prints, logs
+# and saves. Plain `python grpo.py` sets no RANK: rank 0 of 1, and nothing here runs.
 # ------------------------------------------------------------------------------------------------------------------
 def setup_distributed(cfg, dev):
     """the process group from torchrun's environment; returns (rank, world size, this rank's device)"""
