@@ -805,7 +805,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         if world > 1:  # the step's numbers over every rank's groups
             lens, truncated = (torch.tensor(sum(all_ranks(x.tolist()), [])) for x in (lens, truncated))
             n_tok, frac_zero_std = sum(all_ranks(n_tok)), statistics.fmean(all_ranks(frac_zero_std))
-        rec = dict(step=step, **sample_stats, reward_errors=reward_count["errors"] - errors_before,
+        rec = dict(step=step, **sample_stats, reward_errors=sum(all_ranks(reward_count["errors"] - errors_before)),
                    frac_reward_zero_std=frac_zero_std,
                    completion_len_mean=lens.mean().item(), completion_len_max=int(lens.max()),
                    truncated=truncated.mean().item(), **stats, optimizer_steps=len(updates),

@@ -1709,8 +1709,8 @@ def test_grpo_torchrun_two_steps_logged_once():
     log.jsonl and on stdout), a checkpoint that loads in one process and holds both ranks' RNG streams (different:
     the ranks sample different completions); the held-out eval, sharded over the ranks, counts every prompt (a
     reward that marks everything correct gives accuracy 1, not rank 0's half); a plain one-process resume of it and
-    a prompts_per_step that does not split over WORLD_SIZE are refused with both numbers named. (A torchrun resume to step 3 passed by hand; a second
-    launch would add ~9 s to CI.)"""
+    a prompts_per_step that does not split over WORLD_SIZE are refused with both numbers named. (A torchrun resume
+    to step 3 passed by hand; a second launch would add ~9 s to CI.)"""
     import json
     import socket
     import subprocess
