@@ -748,7 +748,8 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
                              f"for 1)")
     torch.manual_seed(cfg.seed + r)  # each rank samples its own completions; rank 0 (one process) as before
     random.seed(cfg.seed + r)
-    base = resolve_model_path(cfg.model, cfg.gguf_dir)  # on resume the policy comes from ckpt, the reference from here
+    # on resume the policy comes from ckpt, the reference from here; rank 0 converts the GGUF once, the others wait
+    base = rank0_value(resolve_model_path(cfg.model, cfg.gguf_dir) if r == 0 else None)
     tokenizer = load_tokenizer(ckpt or base)
     encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)  # max_prompt_len: said before loading
     policy = load_model(ckpt or base, dev)
