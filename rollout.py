@@ -60,14 +60,26 @@ LAST = {}  # the last call's decode statistics: buckets visited, steps, attentio
 
 
 @triton.jit
-def _softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
-    """one online-softmax step of (QPK_PAD, D) queries over a (BLOCK_N, D) block of keys/values (log2 units)"""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (QPK_PAD, BLOCK_N)
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # every block has a valid key, so m_new is finite
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+def _attend_columns(k_ptr, v_ptr, base, stride_l, j_lo, j_hi, q, m_i, l_i, acc, qk_scale,
+                    D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """online softmax of the (QPK_PAD, D) queries over columns [j_lo, j_hi) of one K/V buffer (base + j * stride_l),
+    block by block (log2 units); returns the updated running max m_i, sum l_i and output acc"""
+    offs_d = tl.arange(0, D)
+    for j0 in range(j_lo, j_hi, BLOCK_N):
+        offs_j = j0 + tl.arange(0, BLOCK_N)
+        valid = offs_j < j_hi
+        ptrs = base + offs_j[:, None] * stride_l + offs_d[None, :]
+        k = tl.load(k_ptr + ptrs, mask=valid[:, None], other=0.)  # (BLOCK_N, D)
+        v = tl.load(v_ptr + ptrs, mask=valid[:, None], other=0.)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (QPK_PAD, BLOCK_N)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # every block has a valid key, so m_new is finite
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -105,25 +117,13 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_p
     m_i = tl.full([QPK_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([QPK_PAD], tl.float32)
     acc = tl.zeros([QPK_PAD, D], tl.float32)
-    # keys [lo, hi) in the prompt: columns P - n_pre + j of the shared prefix (b, kvh)
+    # keys [lo, hi) in the prompt: columns P - n_pre + j of the shared prefix (b, kvh); then in the completion:
+    # columns j - n_pre of this row's cache
     p_base = b * stride_pb + pid_h * stride_ph + (P - n_pre) * stride_pl
-    hi_pre = tl.minimum(hi, n_pre)
-    for j0 in range(lo, hi_pre, BLOCK_N):
-        offs_j = j0 + tl.arange(0, BLOCK_N)
-        valid = offs_j < hi_pre
-        ptrs = p_base + offs_j[:, None] * stride_pl + offs_d[None, :]
-        k = tl.load(pk_ptr + ptrs, mask=valid[:, None], other=0.)
-        v = tl.load(pv_ptr + ptrs, mask=valid[:, None], other=0.)
-        m_i, l_i, acc = _softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale, PRECISION)
-    # keys [lo, hi) in the completion: columns j - n_pre of this row's cache
-    hi_c = hi - n_pre
-    for j0 in range(tl.maximum(lo - n_pre, 0), hi_c, BLOCK_N):
-        offs_j = j0 + tl.arange(0, BLOCK_N)
-        valid = offs_j < hi_c
-        ptrs = c_off + offs_j[:, None] * stride_cl + offs_d[None, :]
-        k = tl.load(ck_ptr + ptrs, mask=valid[:, None], other=0.)
-        v = tl.load(cv_ptr + ptrs, mask=valid[:, None], other=0.)
-        m_i, l_i, acc = _softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale, PRECISION)
+    m_i, l_i, acc = _attend_columns(pk_ptr, pv_ptr, p_base, stride_pl, lo, tl.minimum(hi, n_pre), q, m_i, l_i, acc,
+                                    qk_scale, D, BLOCK_N, PRECISION)
+    m_i, l_i, acc = _attend_columns(ck_ptr, cv_ptr, c_off, stride_cl, tl.maximum(lo - n_pre, 0), hi - n_pre, q, m_i,
+                                    l_i, acc, qk_scale, D, BLOCK_N, PRECISION)
     l_safe = tl.where(l_i > 0, l_i, 1.)
     nh = pid_n * (QPK * tl.num_programs(1)) + heads  # flat (slot, head)
     if SPLITS == 1:  # the only split: write the output itself, (n, 1, h, D)
