@@ -227,6 +227,12 @@ def fill_logprobs(model, buf, key, mbs, temperature, logprob_impl, kv_reuse, ent
     return ents
 
 
+def row_sum(x, keep):
+    """x (N,) over the keep (R, C) tokens (row-major) -> (N,): each token gets the sum of x over its row"""
+    dense = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_scatter(keep, x)  # (R, C)
+    return dense.sum(1, keepdim=True).expand_as(keep)[keep]
+
+
 def policy_loss(logp, old, adv, keep, cfg, ent_mask=None):
     """per-token policy loss (N,) and importance ratio (N,) of the N = keep.sum() tokens (row-major; keep (R, C)):
         token level:     r_t = exp(logp_t - old_t)
@@ -239,10 +245,7 @@ def policy_loss(logp, old, adv, keep, cfg, ent_mask=None):
     ent_mask (N,): 1 for the tokens that carry the policy loss (top_entropy_quantile), 0 elsewhere."""
     log_ratio = logp - old  # (N,)
     if cfg.importance_sampling_level == "sequence":
-        dense = torch.zeros(keep.shape, dtype=log_ratio.dtype, device=log_ratio.device)  # (R, C)
-        dense = dense.masked_scatter(keep, log_ratio)
-        seq = dense.sum(1) / keep.sum(1).clamp_min(1)  # (R,): the length-normalized log-ratio
-        log_ratio = seq[:, None].expand_as(keep)[keep]  # (N,)
+        log_ratio = row_sum(log_ratio, keep) / keep.sum(1, keepdim=True).expand_as(keep)[keep]  # length-normalized
     ratio = torch.exp(log_ratio)
     if cfg.loss_type == "cispo":
         per_token = -torch.clamp(ratio, max=cfg.epsilon_high).detach() * adv * logp
@@ -260,10 +263,7 @@ def sampling_correction(old, sampler, keep, cfg):
     w_i = exp(sum_t (old_it - sampler_it)) on all its tokens; *_truncate clamps w to [clip_min, clip_max],
     *_mask sets w outside it to 0. old, sampler (N,) over the keep (R, C) tokens; returns w (N,)."""
     diff = old - sampler
-    if cfg.vllm_importance_sampling_mode.startswith("sequence"):
-        dense = torch.zeros(keep.shape, dtype=diff.dtype, device=diff.device).masked_scatter(keep, diff)
-        diff = dense.sum(1)[:, None].expand_as(keep)[keep]
-    w = torch.exp(diff)
+    w = torch.exp(row_sum(diff, keep) if cfg.vllm_importance_sampling_mode.startswith("sequence") else diff)
     lo, hi = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
     if cfg.vllm_importance_sampling_mode.endswith("truncate"):
         return w.clamp(lo, hi)
