@@ -41,6 +41,14 @@ def distributed():
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+def rank():
+    return torch.distributed.get_rank() if distributed() else 0
+
+
+def world_size():
+    return torch.distributed.get_world_size() if distributed() else 1
+
+
 def global_sum(x, op="sum"):
     """x summed (or max / min) over the ranks of a torchrun job; x itself in one process"""
     if distributed():
@@ -287,7 +295,7 @@ def micro_batch_loss(model, mb, cfg):
     # stats are detached 0-dim tensors, weighted like the loss so they are whole-batch means too; update_step
     # reads them all in one host sync, so the next micro-batch's forward is queued while this backward runs
     stats = {}
-    if "sampler_logp" in mb:  # sampler vs trainer: the same policy, two sets of kernels (TRL's sampling_logp_difference)
+    if "sampler_logp" in mb:  # sampler vs trainer: one policy, two sets of kernels (TRL's sampling_logp_difference)
         sampler = mb["sampler_logp"][keep]
         delta = (old - sampler).abs()
         stats["sampling_logp_diff"], stats["sampling_logp_diff_max"] = (delta * w).sum(), delta.max()

@@ -28,8 +28,9 @@ from types import SimpleNamespace
 
 import torch
 
-from tasks import (MAX_DIFFICULTY, TASKS, check_task, check_training_pool, load_task, make_reward, overlong_penalty,
-                   parse_weights, reward_names, train_prompts)
+from batching import IMPORTANCE_SAMPLING_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS, rank, world_size
+from tasks import (MAX_DIFFICULTY, TASKS, check_task, check_training_pool, load_task, make_reward,  # noqa: F401
+                   overlong_penalty, parse_weights, reward_names, train_prompts)  # (grpo.TASKS: tasks' own table)
 
 # ------------------------------------------------------------------------------------------------------------------
 # config: module globals, overridable as --key=value (type taken from the default). The defaults, on one H100:
@@ -121,10 +122,9 @@ def parse_config(argv):
     return SimpleNamespace(**cfg)
 
 
-CHOICES = {"loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"), "scale_rewards": ("group",
-           "batch", "none"), "logprob_impl": ("auto", "fused", "chunked", "naive"), "dtype": ("float32", "bfloat16"),
-           "importance_sampling_level": ("token", "sequence"),
-           "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")}
+CHOICES = {"loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
+           "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "vllm_importance_sampling_mode": IS_MODES, "logprob_impl": ("auto", "fused", "chunked", "naive"),
+           "dtype": ("float32", "bfloat16")}
 # (float16 would need a loss scaler, which this loop has not)
 finite = math.isfinite
 RANGES = {  # key: (is the value valid?, the valid range as an error states it)
@@ -290,16 +290,6 @@ def rank0_value(x):
     box = [x]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def world_size():
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def rank():
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 # ------------------------------------------------------------------------------------------------------------------
