@@ -30,10 +30,12 @@ The model runs as transformers builds it; only its attention function changes fo
 """
 import contextlib
 import math
+import sys
 import warnings
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from transformers import AttentionInterface
@@ -50,6 +52,7 @@ ATTENTION = "auto"  # decode attention: triton | torch | auto (triton on CUDA, t
 SAMPLER = "auto"  # triton (Gumbel-max kernel; temperature only) | torch (any top-k/top-p) | auto: triton if it can
 COMPILE = True  # on CUDA: torch.compile the decode forward (fuses norms, RoPE, MLP; attention stays ours)...
 COMPILE_MIN_TOKENS = 512  # ...from this many new tokens on: the first compile costs ~20 s, a step saves ~1 ms
+FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); False: the model's own forward
 BLOCK_N = 64  # keys per block in the split kernel
 NUM_WARPS, NUM_STAGES = 4, 3  # the split kernel's launch
 SPLIT_WAVES = 2  # key splits: enough (slot, K/V head, split) programs to fill the GPU this many times over
@@ -371,6 +374,49 @@ def model_forward(model, tok, pos):
     return out.logits[:, -1]
 
 
+def fuse_projections(model):
+    """per layer (w_qkv, b_qkv, w_gate_up, b_gate_up): q/k/v and gate/up weights concatenated along the output dim,
+    for decode_forward; None if the model's layers are not the llama/qwen2/qwen3 shape it assumes. At decode the
+    GEMMs have M = live rows (8-128), where a cuBLAS call costs 4-7 us whatever its size: k_proj and v_proj
+    (0.2 MB each at the 0.5B shape) cost as much as q_proj. One GEMM per group saves 3 of 7 per layer. A copy
+    per call (weights change every training step): + the q/k/v and MLP-input weights' bytes while sampling."""
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)
+    fused = []
+    for layer in model.model.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")) or \
+                not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return None
+        qkv, gu = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+        fused.append((cat([p.weight for p in qkv]), cat([p.bias for p in qkv]), cat([p.weight for p in gu]),
+                      cat([p.bias for p in gu])))
+    return fused
+
+
+def decode_forward(model, fused, tok, pos):
+    """model_forward for one decode step with fused projections: the model's own modules (embedding, RoPE,
+    RMSNorms, q/k norms, o_proj, activation, down_proj, LM head) in the order its forward calls them, but
+    q|k|v = x @ W_qkv^T + b_qkv and gate|up = x @ W_gu^T + b_gu as one GEMM each. (n, V) logits"""
+    trunk = model.model
+    rope = sys.modules[type(trunk.layers[0].self_attn).__module__].apply_rotary_pos_emb
+    h = trunk.embed_tokens(tok)  # (n, 1, H)
+    n, cos_sin = h.shape[0], trunk.rotary_emb(h, pos)
+    for layer, (w_qkv, b_qkv, w_gu, b_gu) in zip(trunk.layers, fused):
+        attn = layer.self_attn
+        D = attn.head_dim
+        q, k, v = F.linear(layer.input_layernorm(h), w_qkv, b_qkv).split(
+            [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features], -1)
+        q, k, v = q.view(n, 1, -1, D), k.view(n, 1, -1, D), v.view(n, 1, -1, D)  # (n, 1, h or kvh, D)
+        if hasattr(attn, "q_norm"):  # qwen3: RMSNorm per head before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), *cos_sin)  # (n, h, 1, D), (n, kvh, 1, D)
+        o = decode_attention(attn, q, k, v.transpose(1, 2), None, scaling=attn.scaling)[0]  # (n, 1, h, D)
+        h = h + attn.o_proj(o.reshape(n, 1, -1))
+        gate, up = F.linear(layer.post_attention_layernorm(h), w_gu, b_gu).chunk(2, -1)  # (n, 1, I) each
+        h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+    return model.lm_head(trunk.norm(h))[:, -1]
+
+
 COMPILED = {}
 
 
@@ -384,6 +430,14 @@ def compiled_forward(model, tok, pos):
     fn = COMPILED.setdefault("forward", torch.compile(model_forward, dynamic=True))
     with fx_config.patch(use_duck_shape=False):
         return fn(model, tok, pos)
+
+
+def compiled_decode_forward(model, fused, tok, pos):
+    """decode_forward through torch.compile, as compiled_forward"""
+    from torch.fx.experimental import _config as fx_config
+    fn = COMPILED.setdefault("decode", torch.compile(decode_forward, dynamic=True))
+    with fx_config.patch(use_duck_shape=False):
+        return fn(model, fused, tok, pos)
 
 
 def num_splits(n, kvh, device):
@@ -469,8 +523,9 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         slots = SimpleNamespace(rows=torch.arange(N, device=dev), tok=tok[:, None].clone(),
                                 pos=pos[:, -1:].repeat_interleave(G, 0) + 1, done=done)  # (n,), (n, 1), (n, 1), (n,)
         kvh = layers[0][0].shape[1]
+        fused = fuse_projections(model) if FUSE else None
         LAST.clear()
-        LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph)
+        LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None)
 
         def make_step(sl):
             st = SimpleNamespace(layers=layers, rows=sl.rows, done=sl.done, start=start, slot=slot, G=G,
@@ -478,6 +533,9 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
 
             def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)
                 with decode_step(model, st):
+                    if fused is not None:
+                        return (compiled_decode_forward if compiled else decode_forward)(model, fused, sl.tok,
+                                                                                         sl.pos)
                     return (compiled_forward if compiled else model_forward)(model, sl.tok, sl.pos)
 
             def step():
@@ -596,8 +654,8 @@ def sync():
 def bench_ours(model, prompt_ids, G, T, eos):
     import time
     t0 = time.perf_counter()
-    generate_groups(model, prompt_ids, torch.ones_like(prompt_ids), G, 16, eos_token_id=eos,
-                    pad_token_id=0)  # compile the kernels (Triton specializes on P's divisibility too)
+    generate_groups(model, prompt_ids, torch.ones_like(prompt_ids), G, min(T, COMPILE_MIN_TOKENS), eos_token_id=eos,
+                    pad_token_id=0)  # compile the kernels and (T >= COMPILE_MIN_TOKENS) the forward: not timed
     sync()
     print(f"  (warm-up call: {time.perf_counter() - t0:.1f} s)", flush=True)
     if CUDA:

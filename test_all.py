@@ -691,11 +691,12 @@ def test_rollout_greedy_matches_hf_generate():
     ones; sdpa and eager models; an EOS list that ends row 0 mid-way (the live rows are compacted into smaller
     buckets, asserted), and one that ends every row by step 2 (the trailing all-padding columns are trimmed)"""
     G, T = 3, 12
-    with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2) as rollout:
+    with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True) as rollout:
         compacted = False
-        for arch, attn, lens in (("llama", "sdpa", (7, 2, 4)), ("qwen2", "sdpa", (7, 2, 4)),
-                                 ("qwen2", "sdpa", (7, 7, 7)), ("llama", "eager", (7, 2, 4)),
-                                 ("qwen3", "sdpa", (3, 7, 5))):
+        for arch, attn, lens, fuse in (("llama", "sdpa", (7, 2, 4), True), ("qwen2", "sdpa", (7, 2, 4), True),
+                                       ("qwen2", "sdpa", (7, 7, 7), True), ("llama", "eager", (7, 2, 4), False),
+                                       ("qwen3", "sdpa", (3, 7, 5), True), ("qwen3", "sdpa", (3, 7, 5), False)):
+            rollout.FUSE = fuse  # decode_forward (fused q|k|v, gate|up) or the model's own forward
             model = _kv_model(arch, tied=arch == "qwen2", attn_implementation=attn)
             prompt_ids, prompt_mask, _, _ = _kv_batch(G=G, prompt_lens=lens, seed=3)
             free = _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=99999)
@@ -705,6 +706,7 @@ def test_rollout_greedy_matches_hf_generate():
                 ids, mask = rollout.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=0.0,
                                                     eos_token_id=eos, pad_token_id=0)
                 compacted |= len(rollout.LAST["buckets"]) > 1
+                assert rollout.LAST["fused"] == fuse, f"{name}: fused path {rollout.LAST['fused']}, want {fuse}"
                 assert ids.shape == mask.shape and ids.shape[0] == 3 * G, f"{name}: shapes"
                 lens_ref = [next((i + 1 for i, x in enumerate(row) if x in eos), len(row)) for row in ref]
                 assert ids.shape[1] == max(lens_ref), f"{name}: {ids.shape[1]} columns, want {max(lens_ref)}"
