@@ -88,7 +88,7 @@ def _attend_columns(k_ptr, v_ptr, base, stride_l, j_lo, j_hi, q, m_i, l_i, acc, 
 @triton.jit
 def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_ptr, rows_ptr, done_ptr, start_ptr,
                          slot_ptr, o_ptr, lse_ptr, out_ptr, G, P, qk_scale,
-                         stride_qn, stride_qh, stride_nn, stride_nh,
+                         stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                          stride_pb, stride_ph, stride_pl, stride_cn, stride_ch, stride_cl,
                          QPK: tl.constexpr, QPK_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          SPLITS: tl.constexpr, PRECISION: tl.constexpr):
@@ -112,9 +112,9 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_p
     q = tl.load(q_ptr + pid_n * stride_qn + heads[:, None] * stride_qh + offs_d[None, :], mask=q_ok[:, None], other=0.)
     c_off = row * stride_cn + pid_h * stride_ch
     if (hi == total) & (lo < hi):  # write this step's K/V into the cache, then read it back like any column
-        tl.store(ck_ptr + c_off + t * stride_cl + offs_d, tl.load(knew_ptr + pid_n * stride_nn + pid_h * stride_nh +
+        tl.store(ck_ptr + c_off + t * stride_cl + offs_d, tl.load(knew_ptr + pid_n * stride_kn + pid_h * stride_kh +
                                                                   offs_d))
-        tl.store(cv_ptr + c_off + t * stride_cl + offs_d, tl.load(vnew_ptr + pid_n * stride_nn + pid_h * stride_nh +
+        tl.store(cv_ptr + c_off + t * stride_cl + offs_d, tl.load(vnew_ptr + pid_n * stride_vn + pid_h * stride_vh +
                                                                   offs_d))
         tl.debug_barrier()  # the block's stores are visible to its own loads after the barrier
     m_i = tl.full([QPK_PAD], float("-inf"), tl.float32)
@@ -158,8 +158,8 @@ def decode_attention_triton(q, k_new, v_new, layer, st, scale):
     n, h, _, D = q.shape
     kvh = k_new.shape[1]
     pk, pv, ck, cv = layer
-    assert q.stride(-1) == k_new.stride(-1) == pk.stride(-1) == ck.stride(-1) == 1 and pk.stride() == pv.stride() \
-        and ck.stride() == cv.stride() and k_new.stride()[:2] == v_new.stride()[:2]
+    assert q.stride(-1) == k_new.stride(-1) == v_new.stride(-1) == pk.stride(-1) == ck.stride(-1) == 1 and \
+        pk.stride() == pv.stride() and ck.stride() == cv.stride()  # (k_new and v_new may differ: views of q|k|v)
     S = st.splits
     out = torch.empty(n, 1, h, D, dtype=q.dtype, device=q.device)
     o = torch.empty(n, h, S, D, dtype=torch.float32, device=q.device) if S > 1 else out
@@ -167,7 +167,8 @@ def decode_attention_triton(q, k_new, v_new, layer, st, scale):
     QPK = h // kvh
     _decode_split_kernel[(n, kvh, S)](
         q, k_new, v_new, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot, o, lse, out, st.G, pk.shape[2],
-        scale * 1.4426950408889634, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
+        scale * 1.4426950408889634, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
+        v_new.stride(1),
         pk.stride(0), pk.stride(1), pk.stride(2), ck.stride(0), ck.stride(1), ck.stride(2),
         QPK=QPK, QPK_PAD=max(16, triton.next_power_of_2(QPK)), D=D, BLOCK_N=BLOCK_N, SPLITS=S,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # an fp32 model gets fp32 attention, not TF32

@@ -616,7 +616,8 @@ def test_rollout_attention_kernel_vs_torch():
                                  [1], device=DEVICE), True),
                              start=torch.randint(0, P, (B,), generator=g, dtype=torch.int32).to(DEVICE),
                              slot=torch.tensor([t], device=DEVICE))
-        q, k_new, v_new = rnd(n, 1, h, D).transpose(1, 2), rnd(n, kvh, 1, D), rnd(n, 1, kvh, D).transpose(1, 2)
+        q, k_new = rnd(n, 1, h, D).transpose(1, 2), rnd(n, kvh, 1, D)
+        v_new = rnd(n, 1, 3 * kvh, D)[:, :, kvh:2 * kvh].transpose(1, 2)  # a slice of q|k|v: its own strides
         got_cache, want_cache = (ck.clone(), cv.clone()), (ck.clone(), cv.clone())
         got = rollout.decode_attention_triton(q, k_new, v_new, (pk, pv, *got_cache), st, D ** -0.5)
         want = rollout.decode_attention_torch(q, k_new, v_new, (pk, pv, *want_cache), st, D ** -0.5)
