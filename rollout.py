@@ -15,9 +15,10 @@ A decode step of B*G rows must read every weight once plus every live row's K/V.
    skips them), and after a compaction they skip the matmuls too. No K/V is copied: only the slot -> row map moves.
 
 Each decode step (model forward, sampling, bookkeeping) is one CUDA graph replay; the host only checks "done" every
-CHECK_EVERY steps. Sampling needs no host sync: Gumbel-max, argmax_k (logit_k / T - log(-log u_k)), in one Triton
-pass over the logits (temperature only), or the exponential race argmax_k p_k / E_k, E_k ~ Exp(1), in torch ops
-behind HF's top-k/top-p warpers; both draw k with probability p_k (torch.multinomial would sync). On CUDA, for
+CHECK_EVERY steps. Sampling needs no host sync: the inverse CDF, min{k : sum_{j<=k} p_j > u}, in two Triton
+kernels that read the logits about once (temperature only), or the exponential race argmax_k p_k / E_k,
+E_k ~ Exp(1), in torch ops behind HF's top-k/top-p warpers; both draw k with probability p_k (torch.multinomial
+would sync). On CUDA, for
 rollouts of COMPILE_MIN_TOKENS or more, the forward is torch.compile'd, which fuses the ~30 small elementwise
 kernels a layer runs in eager mode (RMSNorm, RoPE, SiLU, residuals) into a handful.
 
@@ -49,7 +50,7 @@ CHECK_EVERY = 8  # decode steps between host reads of "which rows are done" (a s
 MIN_BUCKET = 8  # compaction never goes below this many slots
 COMPACT_MIN_STEPS = 32  # compact only if at least this many steps may remain (a capture costs ~2 steps)
 ATTENTION = "auto"  # decode attention: triton | torch | auto (triton on CUDA, torch elsewhere)
-SAMPLER = "auto"  # triton (Gumbel-max kernel; temperature only) | torch (any top-k/top-p) | auto: triton if it can
+SAMPLER = "auto"  # triton (inverse-CDF kernels; temperature only) | torch (any top-k/top-p) | auto: triton if it can
 COMPILE = True  # on CUDA: torch.compile the decode forward (fuses norms, RoPE, MLP; attention stays ours)...
 COMPILE_MIN_TOKENS = 512  # ...from this many new tokens on: the first compile costs ~20 s, a step saves ~1 ms
 FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); False: the model's own forward
@@ -255,60 +256,67 @@ def sample(logits, warpers):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, part_ptr, best_k_ptr, seed_ptr, V, stride_n, inv_temp, CHUNK, BLOCK_V: tl.constexpr):
-    """program (row, chunk): over the chunk's vocabulary ids k, with z_k = logits[k] / T and g_k = -log(-log u_k),
-    u_k ~ U(0, 1) iid, the max of z_k + g_k and its k (the argmax over all k, Gumbel-max, is an exact draw from
-    softmax(z)), that k's z, and the chunk's log-sum-exp of z (for the draw's log-prob z_k - logsumexp(z)): one read
-    of the logits, where the torch path reads and writes an fp32 (n, V) copy about six times. u comes from
-    Philox(seed, row * V + k); seed_ptr[0] changes every step. part: (n, chunks, 3) = (max z+g, its z, lse)."""
-    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    seed = tl.load(seed_ptr)
-    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_z = tl.zeros([BLOCK_V], tl.float32)
-    best_k = tl.zeros([BLOCK_V], tl.int64)
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per-lane running max and sum of exp(z - max)
-    s = tl.zeros([BLOCK_V], tl.float32)
-    end = tl.minimum(chunk * CHUNK + CHUNK, V)
-    for v0 in range(chunk * CHUNK, end, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        ok = offs < end
-        z = tl.load(logits_ptr + row * stride_n + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_temp
-        zg = z - tl.log(-tl.log(tl.rand(seed, row * V + offs)))  # u = 0 gives -inf: never picked
-        better = zg > best
-        best, best_z, best_k = tl.where(better, zg, best), tl.where(better, z, best_z), \
-            tl.where(better, offs.to(tl.int64), best_k)
-        m_new = tl.maximum(m, z)
-        s = s * tl.exp(tl.where(m_new > float("-inf"), m - m_new, 0.)) + tl.where(ok, tl.exp(z - m_new), 0.)
-        m = m_new
-    i = tl.argmax(best, 0)
-    at_i = tl.arange(0, BLOCK_V) == i
-    m_all = tl.max(m, 0)
-    lse = m_all + tl.log(tl.sum(s * tl.exp(tl.where(m > float("-inf"), m - m_all, 0.)), 0))
-    out = row * tl.num_programs(1) + chunk
-    tl.store(part_ptr + out * 3, tl.max(best, 0))
-    tl.store(part_ptr + out * 3 + 1, tl.sum(tl.where(at_i, best_z, 0.), 0))
-    tl.store(part_ptr + out * 3 + 2, lse)
-    tl.store(best_k_ptr + out, tl.sum(tl.where(at_i, best_k, 0), 0))
+def _sample_blocks_kernel(logits_ptr, part_ptr, V, stride_n, inv_temp, BLOCK_V: tl.constexpr):
+    """program (row, block): over the block's vocabulary ids, with z = logits / T, m_b = max z and
+    s_b = sum exp(z - m_b). part: (n, blocks, 2) = (m_b, s_b). One read of the logits, one exp per id."""
+    row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+    z = tl.load(logits_ptr + row * stride_n + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temp
+    m = tl.max(z, 0)
+    s = tl.sum(tl.exp(z - tl.where(m > float("-inf"), m, 0.)), 0)
+    out = part_ptr + (row * tl.num_programs(1) + blk) * 2
+    tl.store(out, m)
+    tl.store(out + 1, s)
 
 
-def sample_triton(logits, seed, temperature):
+@triton.jit
+def _sample_pick_kernel(logits_ptr, part_ptr, tok_ptr, logp_ptr, seed_ptr, V, stride_n, inv_temp, BLOCKS,
+                        BLOCKS_PAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    """program row: inverse CDF, k = min{k : sum_{j<=k} p_j > u}, u ~ U(0, 1) from Philox(seed, row). With
+    M = max_b m_b, w_b = s_b exp(m_b - M) is block b's mass times W = sum_b w_b: the block is the first whose
+    cumulative mass passes u W, the id the first in it whose running sum exp(z - M) passes what is left. Only that
+    block's logits are read again. log p_k = z_k - (M + log W)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_b = tl.arange(0, BLOCKS_PAD)
+    b_ok = offs_b < BLOCKS
+    m_b = tl.load(part_ptr + (row * BLOCKS + offs_b) * 2, mask=b_ok, other=float("-inf"))
+    s_b = tl.load(part_ptr + (row * BLOCKS + offs_b) * 2 + 1, mask=b_ok, other=0.)
+    M = tl.max(m_b, 0)
+    w = tl.where(m_b > float("-inf"), s_b * tl.exp(m_b - M), 0.)
+    W = tl.sum(w, 0)
+    target = tl.rand(tl.load(seed_ptr), row) * W
+    cum = tl.cumsum(w, 0)
+    last = tl.max(tl.where(w > 0, offs_b, 0), 0)  # u W may round up to W: never past the last block with mass
+    b = tl.minimum(tl.sum(tl.where(b_ok & (cum <= target), 1, 0), 0), last)
+    r = target - tl.sum(tl.where(offs_b < b, w, 0.), 0)  # the mass left to pass inside block b
+    offs = b * BLOCK_V + tl.arange(0, BLOCK_V)
+    z = tl.load(logits_ptr + row * stride_n + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temp
+    p = tl.exp(z - M)
+    hit = (tl.cumsum(p, 0) > r) & (p > 0)
+    big = b * BLOCK_V + BLOCK_V
+    k = tl.min(tl.where(hit, offs, big), 0)
+    k = tl.where(k == big, tl.max(tl.where(p > 0, offs, 0), 0), k)  # rounding left nothing: the block's last id
+    tl.store(tok_ptr + row, k)
+    tl.store(logp_ptr + row, tl.sum(tl.where(offs == k, z, 0.), 0) - (M + tl.log(W)))
+
+
+def sample_triton(logits, seed, temperature, BLOCK_V=2048):
     """(n, V) logits (any float dtype) -> (n,) tokens drawn from softmax(logits / temperature) and their log-probs
-    under it (n,); seed (1,) int64 on the device, advanced by one per call (inside a CUDA graph too). The vocabulary
-    is split into chunks so that a few rows still fill the GPU; the chunks' partial results are merged here."""
+    under it (n,); seed (1,) int64 on the device, advanced by one per call (inside a CUDA graph too). Two kernels:
+    per-block max and exp-sums over all (row, block) pairs (enough programs at any row count), then one program a
+    row picks its block and id. ~one read of the logits: the Gumbel-max kernel this replaces drew a random number
+    and took two logs per id (128 us a step at 128 rows x 152k ids on an H100, compute-bound)."""
     n, V = logits.shape
-    BLOCK_V = 2048
-    sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 1
-    chunks = max(1, min(triton.cdiv(V, BLOCK_V), triton.cdiv(2 * sms, n)))
-    chunk = triton.cdiv(triton.cdiv(V, chunks), BLOCK_V) * BLOCK_V
-    chunks = triton.cdiv(V, chunk)
-    part = torch.empty(n, chunks, 3, dtype=torch.float32, device=logits.device)
-    best_k = torch.empty(n, chunks, dtype=torch.long, device=logits.device)
-    _sample_kernel[(n, chunks)](logits, part, best_k, seed, V, logits.stride(0), 1.0 / temperature, chunk,
-                                BLOCK_V=BLOCK_V, num_warps=8)
+    blocks = triton.cdiv(V, BLOCK_V)
+    part = torch.empty(n, blocks, 2, dtype=torch.float32, device=logits.device)
+    tok = torch.empty(n, dtype=torch.long, device=logits.device)
+    logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+    _sample_blocks_kernel[(n, blocks)](logits, part, V, logits.stride(0), 1.0 / temperature, BLOCK_V=BLOCK_V,
+                                       num_warps=8)
+    _sample_pick_kernel[(n,)](logits, part, tok, logp, seed, V, logits.stride(0), 1.0 / temperature, blocks,
+                              BLOCKS_PAD=max(16, triton.next_power_of_2(blocks)), BLOCK_V=BLOCK_V, num_warps=8)
     seed.add_(1)
-    i = part[:, :, 0].argmax(1, keepdim=True)  # (n, 1) the winning chunk
-    logp = part[:, :, 1].gather(1, i).squeeze(1) - part[:, :, 2].logsumexp(1)
-    return best_k.gather(1, i).squeeze(1), logp
+    return tok, logp
 
 
 CAPTURE = {}  # device index -> [side stream, latest decode graph], reused by the next capture (see graphed)
@@ -394,6 +402,24 @@ def fuse_projections(model):
     return fused
 
 
+def decode_layer(layer, rope, w_qkv, b_qkv, w_gu, b_gu, h, cos, sin):
+    """one decoder layer of decode_forward: (n, 1, H) -> (n, 1, H). A function of its own so that torch.compile
+    sees one frame per layer (compiled around the attention's graph break, as the model's own layer forward is);
+    inline in decode_forward's loop, the break left the loop body eager (+0.2 ms a step of unfused adds)"""
+    attn, mlp = layer.self_attn, layer.mlp
+    n, D = h.shape[0], attn.head_dim
+    q, k, v = F.linear(layer.input_layernorm(h), w_qkv, b_qkv).split(
+        [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features], -1)
+    q, k, v = q.view(n, 1, -1, D), k.view(n, 1, -1, D), v.view(n, 1, -1, D)  # (n, 1, h or kvh, D)
+    if hasattr(attn, "q_norm"):  # qwen3: RMSNorm per head before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (n, h, 1, D), (n, kvh, 1, D)
+    o = decode_attention(attn, q, k, v.transpose(1, 2), None, scaling=attn.scaling)[0]  # (n, 1, h, D)
+    h = h + attn.o_proj(o.reshape(n, 1, -1))
+    gate, up = F.linear(layer.post_attention_layernorm(h), w_gu, b_gu).chunk(2, -1)  # (n, 1, I) each
+    return h + mlp.down_proj(mlp.act_fn(gate) * up)
+
+
 def decode_forward(model, fused, tok, pos):
     """model_forward for one decode step with fused projections: the model's own modules (embedding, RoPE,
     RMSNorms, q/k norms, o_proj, activation, down_proj, LM head) in the order its forward calls them, but
@@ -401,20 +427,9 @@ def decode_forward(model, fused, tok, pos):
     trunk = model.model
     rope = sys.modules[type(trunk.layers[0].self_attn).__module__].apply_rotary_pos_emb
     h = trunk.embed_tokens(tok)  # (n, 1, H)
-    n, cos_sin = h.shape[0], trunk.rotary_emb(h, pos)
-    for layer, (w_qkv, b_qkv, w_gu, b_gu) in zip(trunk.layers, fused):
-        attn = layer.self_attn
-        D = attn.head_dim
-        q, k, v = F.linear(layer.input_layernorm(h), w_qkv, b_qkv).split(
-            [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features], -1)
-        q, k, v = q.view(n, 1, -1, D), k.view(n, 1, -1, D), v.view(n, 1, -1, D)  # (n, 1, h or kvh, D)
-        if hasattr(attn, "q_norm"):  # qwen3: RMSNorm per head before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), *cos_sin)  # (n, h, 1, D), (n, kvh, 1, D)
-        o = decode_attention(attn, q, k, v.transpose(1, 2), None, scaling=attn.scaling)[0]  # (n, 1, h, D)
-        h = h + attn.o_proj(o.reshape(n, 1, -1))
-        gate, up = F.linear(layer.post_attention_layernorm(h), w_gu, b_gu).chunk(2, -1)  # (n, 1, I) each
-        h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+    cos, sin = trunk.rotary_emb(h, pos)
+    for layer, weights in zip(trunk.layers, fused):
+        h = decode_layer(layer, rope, *weights, h, cos, sin)
     return model.lm_head(trunk.norm(h))[:, -1]
 
 

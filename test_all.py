@@ -632,22 +632,31 @@ def test_rollout_attention_kernel_vs_torch():
 
 @check
 def test_rollout_sampler_kernel_draws_softmax():
-    """the Gumbel-max kernel draws from softmax(logits / T) across vocabulary chunks (4 likely ids in 2 chunks of
-    2048), returns each draw's log-prob under it, the same seed gives the same draws, each call advances the seed"""
+    """the inverse-CDF kernels draw from softmax(logits / T) across vocabulary blocks (4 likely ids in 3 blocks of
+    1024 or 1 of 4096, one at the last id, and -inf padding ids that must never be drawn), return each draw's
+    log-prob under it, the same seed gives the same draws, each call advances the seed"""
     import rollout
     V, n, T = 3000, 150, 0.5
     logits = torch.full((V,), -30.0)
-    ids = torch.tensor([5, 2047, 2048, 2999])
+    logits[1000:1500] = float("-inf")  # (a banned range: probability exactly 0)
+    ids = torch.tensor([5, 1023, 1024, 2999])
     logits[ids] = torch.tensor([0.1, 0.2, 0.3, 0.4]).log() * T  # softmax(logits / T) = 0.1, 0.2, 0.3, 0.4
-    seed = torch.tensor([123], device=DEVICE)
-    a, logp = (x.cpu() for x in rollout.sample_triton(logits.to(DEVICE).expand(n, V), seed, T))
-    assert seed.item() == 124, "seed not advanced"
-    b, _ = rollout.sample_triton(logits.to(DEVICE).expand(n, V), torch.tensor([123], device=DEVICE), T)
-    assert torch.equal(a, b.cpu()), "same seed, different draws"
-    assert torch.isin(a, ids).all(), f"drew an id of probability ~0: {a[~torch.isin(a, ids)].tolist()}"
-    freq = torch.stack([(a == i).float().mean() for i in ids])
-    assert (freq - torch.tensor([0.1, 0.2, 0.3, 0.4])).abs().max() < 0.12, f"frequencies {freq.tolist()}"
-    assert_close(logp, torch.log_softmax(logits / T, -1)[a], 1e-5, "log-prob of the draws")
+    for block, n in ((1024, n), (4096, 40)):  # (one block: the ids and log-probs only)
+        seed = torch.tensor([123], device=DEVICE)
+        a, logp = (x.cpu() for x in rollout.sample_triton(logits.to(DEVICE).expand(n, V), seed, T, BLOCK_V=block))
+        assert seed.item() == 124, "seed not advanced"
+        if block == 1024:
+            b, _ = rollout.sample_triton(logits.to(DEVICE).expand(n, V), torch.tensor([123], device=DEVICE), T,
+                                         BLOCK_V=block)
+            assert torch.equal(a, b.cpu()), "same seed, different draws"
+        assert torch.isin(a, ids).all(), f"drew an id of probability ~0: {a[~torch.isin(a, ids)].tolist()}"
+        freq = torch.stack([(a == i).float().mean() for i in ids])
+        assert block > V or (freq - torch.tensor([.1, .2, .3, .4])).abs().max() < 0.12, f"block {block}: {freq}"
+        assert_close(logp, torch.log_softmax(logits / T, -1)[a], 1e-5, "log-prob of the draws")
+    flat = torch.zeros(5000, device=DEVICE)  # uniform over 5000 ids, 3 blocks: every block gets its share
+    a, _ = rollout.sample_triton(flat.expand(200, 5000), torch.tensor([9], device=DEVICE), 1.0, BLOCK_V=2048)
+    counts = torch.bincount(a.cpu() // 2048, minlength=3).float() / 200
+    assert (counts - torch.tensor([2048, 2048, 904]) / 5000).abs().max() < 0.1, f"block frequencies {counts}"
 
 
 @check
@@ -679,7 +688,7 @@ def test_rollout_logprobs_are_the_samplers():
         name = f"T={temperature} top_p={top_p}"
         assert (logp[mask == 0] == 0).all(), f"{name}: padding log-prob not 0"
         assert_close(logp, want, 1e-4, name)
-    hf = rollout.hf_generate_groups(model, prompt_ids, prompt_mask, G, T, 0.0, 1.0, 0, torch.tensor([2, 17]), 0,
+    hf = rollout.hf_generate_groups(model, prompt_ids, prompt_mask, G, T, 0.0, 1.0, 0, torch.tensor([2, 17], device=DEVICE), 0,
                                     return_logprobs=True)
     assert torch.equal(hf[0], ids) and torch.equal(hf[1], mask), "fallback: other tokens (greedy)"
     assert_close(hf[2], logp, 1e-4, "fallback log-probs")
