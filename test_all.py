@@ -966,18 +966,18 @@ def _dist_buffer():
 
 
 def _dist_grads_and_step(model, buf, rewards, cfg, out):
-    """prepare_buffer, this process's gradient (before any all-reduce), then one update_step (AdamW); saved to out"""
+    """prepare_buffer, the mini-batch's gradient (one process: its own; FSDP2: the sum over the ranks, as each rank's
+    full tensor), then one update_step (AdamW) from the same start; gradients, weights (full) and stats saved to out"""
     import batching
     import grpo
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 - a DTensor's whole tensor
     steps, _ = batching.prepare_buffer(model, None, buf, rewards, cfg)
-    for b0, b1 in steps[0]:
-        loss, _ = batching.micro_batch_loss(model, batching.slice_groups(buf, b0, b1), cfg)
-        loss.backward()
-    grads = [p.grad.clone() for p in model.parameters()]
+    batching.backward(model, buf, steps[0], cfg)
+    grads = [full(p.grad).clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     optimizer, _ = grpo.make_optimizer(model, cfg, torch.float32)
     stats = batching.update_step(model, optimizer, buf, steps[0], cfg)
-    torch.save(dict(grads=grads, weights=[p.detach().clone() for p in model.parameters()], stats=stats), out)
+    torch.save(dict(grads=grads, weights=[full(p.detach()).clone() for p in model.parameters()], stats=stats), out)
 
 
 def _dist_worker(rank, world, port, tmp, model_dir):
@@ -986,12 +986,15 @@ def _dist_worker(rank, world, port, tmp, model_dir):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
     import batching
+    import grpo
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
         for loss_type in ("dapo", "grpo"):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            assert model.config.tie_word_embeddings
+            grpo.shard_model(model, torch.float32, torch.device("cpu"))  # what torchrun grpo.py runs
             buf, rewards = _dist_buffer()
             mine = list(range(rank * 2, rank * 2 + 2))  # whole groups: the advantages stay local
             local = batching.select_groups(buf, mine)
@@ -1028,9 +1031,9 @@ def test_batching_two_ranks_sum_to_one_process():
         assert cfg.kv_reuse
         _dist_grads_and_step(model, buf, rewards, cfg, f"{tmp}/{loss_type}_one.pt")
         one, r0, r1 = (torch.load(f"{tmp}/{loss_type}_{n}.pt") for n in ("one", "rank0", "rank1"))
-        for i, g in enumerate(one["grads"]):
-            assert_close(r0["grads"][i] + r1["grads"][i], g, 1e-5, f"{loss_type} summed grad {i}")
         for r in (r0, r1):
+            for i, g in enumerate(one["grads"]):
+                assert_close(r["grads"][i], g, 1e-5, f"{loss_type} summed grad {i}")
             for i, w in enumerate(one["weights"]):
                 assert_close(r["weights"][i], w, 1e-5, f"{loss_type} weights {i}")
             for k in ("loss", "grad_norm", "entropy", "clip_ratio"):
@@ -1719,12 +1722,12 @@ def _train_output(args):
 
 @check
 def test_grpo_torchrun_two_steps_logged_once():
-    """`torchrun --nproc_per_node=2 grpo.py` on CPU (gloo): 2 steps, each logged once (one line per step in
-    log.jsonl and on stdout), a checkpoint that loads in one process and holds both ranks' RNG streams (different:
-    the ranks sample different completions); the held-out eval, sharded over the ranks, counts every prompt (a
-    reward that marks everything correct gives accuracy 1, not rank 0's half); a plain one-process resume of it and
-    a prompts_per_step that does not split over WORLD_SIZE are refused with both numbers named. (A torchrun resume
-    to step 3 passed by hand; a second launch would add ~9 s to CI.)"""
+    """`torchrun --nproc_per_node=2 grpo.py` on CPU (gloo, FSDP2): 2 steps, each logged once (one line per step in
+    log.jsonl and on stdout), a checkpoint that loads in one process (the full weights, tied embeddings once) and
+    holds both ranks' RNG streams (different: the ranks sample different completions) and optimizer shards; the
+    held-out eval, sharded over the ranks, counts every prompt (a reward that marks everything correct gives accuracy
+    1, not rank 0's half); a torchrun resume continues to step 3; a plain one-process resume of it and a
+    prompts_per_step that does not split over WORLD_SIZE are refused with both numbers named."""
     import json
     import socket
     import subprocess
@@ -1755,8 +1758,21 @@ def test_grpo_torchrun_two_steps_logged_once():
     state = torch.load(os.path.join(out, "ckpt", "trainer_state.pt"), weights_only=False)
     assert state["world_size"] == 2 and len(state["rng_ranks"]) == 2, state.keys()
     assert not torch.equal(state["rng_ranks"][0]["torch"], state["rng_ranks"][1]["torch"]), "ranks share one stream"
+    assert sorted(f for f in os.listdir(os.path.join(out, "ckpt")) if f.startswith("optimizer_rank")) == [
+        "optimizer_rank0.pt", "optimizer_rank1.pt"] and state["optimizer"] is None
+    from safetensors.torch import load_file
+    saved = load_file(os.path.join(out, "ckpt", "model.safetensors"))
+    tiny = load_file(os.path.join(_tiny_model_dir(), "model.safetensors"))
+    assert sorted(saved) == sorted(tiny) and all(saved[k].dtype == torch.float32 for k in saved), sorted(saved)
     assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "ckpt")).num_parameters() > 0
-    res, _ = _train_output(_train_args(out, 3, "--resume=True"))
+    # (all-correct rewards have zero advantages; step 3 rewards by length, so its update moves the weights)
+    _write(os.path.join(out, "by_len.py"), "def reward(text, example):\n    return float(len(text) % 3), True\n")
+    stdout = torchrun(3, "--resume=True", f"--reward={out}/by_len.py:reward")
+    assert "resumed from" in stdout and stdout.count("step 3:") == 1, stdout[-2000:]
+    assert [json.loads(line)["step"] for line in open(os.path.join(out, "log.jsonl"))] == [0, 1, 2, 3]
+    moved = load_file(os.path.join(out, "ckpt", "model.safetensors"))
+    assert any(not torch.equal(moved[k], saved[k]) for k in saved), "step 3's checkpoint holds step 2's weights"
+    res, _ = _train_output(_train_args(out, 4, "--resume=True"))
     assert isinstance(res, ValueError) and "2 process(es); this one has 1" in str(res), res
     os.environ["WORLD_SIZE"] = "2"
     try:
