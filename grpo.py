@@ -3,7 +3,7 @@ nanoGRPO: GRPO on one GPU, read top to bottom.
 
     python grpo.py                                   # the default: SmolLM2-135M-Instruct on synthetic arithmetic
     python grpo.py --task=countdown --lr=5e-6        # any config global below can be overridden as --key=value
-    torchrun --nproc_per_node=2 grpo.py              # 2 processes, each a device and half of each step's groups
+    torchrun --nproc_per_node=2 grpo.py              # 2 processes (FSDP2), each a device and half of each step's groups
 
 One step = one generation batch (prompts_per_step x group_size completions, sampled once; with dynamic_sampling,
 resampled until its groups carry signal) followed by num_iterations x steps_per_generation optimizer steps over it
