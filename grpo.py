@@ -91,7 +91,7 @@ out_dir = "out"  # log.jsonl, ckpt/, curves.png, LOCK; an earlier run there is n
 resume = False  # continue the run in out_dir from its checkpoint
 overwrite = False  # replace an earlier run in out_dir (its log.jsonl, curves.png and checkpoint)
 dist_timeout_minutes = 10.0  # torchrun: a collective that waits longer (a rank died or hangs) ends the job
-fsdp = True  # torchrun: FSDP2 (weights, gradients, AdamW state sharded over the ranks); False = a full replica per rank
+fsdp = True  # torchrun: FSDP2 (weights, gradients, AdamW state sharded over the ranks); False: a replica per rank
 
 CONFIG_KEYS = [k for k, v in list(globals().items()) if not k.startswith("_") and isinstance(v, (bool, int, float, str))]
 
