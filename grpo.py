@@ -269,15 +269,16 @@ def setup_distributed(cfg, dev):
 
 def shard_model(model, dt, dev):
     """FSDP2: fully_shard each decoder layer, then the root (embeddings, final norm, LM head: tied ones stay one
-    parameter). The float32 weights, their gradients and AdamW's state are sharded over the ranks; forward and
-    backward run in dt on gathered weights (MixedPrecisionPolicy; gradients reduce-scattered in float32): the
-    one-process path's float32 masters beside dt weights. The gathered weights stay from a unit's first forward to
-    the optimizer step (update_step reshards): kv_reuse calls each layer twice (prompt, then completions), and the
-    prompt pass's backward, which the completions' K/V gradients start, runs after the layer's own post-backward
-    hook and outside its pre-backward hook, so a layer resharded there would be read freed. That is ZeRO-2 for the
-    weights; the 12 bytes a parameter of float32 weight, gradient and AdamW moments are what is split N ways. Each
-    backward reduce-scatters with a SUM (the loss weights hold the global normalizers). The loss runs as a forward
-    of the root (batching.logprobs_forward), so the LM-head weight it reads is the gathered one."""
+    parameter). The float32 weights, their gradients and AdamW's moments (16 bytes a parameter) are sharded over the
+    ranks; forward and backward run in dt on gathered weights (MixedPrecisionPolicy; gradients reduce-scattered in
+    float32): the one-process path's float32 masters beside dt weights. A gathered unit stays gathered from its
+    first forward to the end of the mini-batch's backward (batching.backward reshards): kv_reuse calls each layer
+    twice (prompt, then completions), and the prompt pass's backward, started by the completions' K/V gradients,
+    runs after that layer's post-backward hook of the completion pass (which reshards by default), and for the last
+    layer without any pre-backward hook (the prompt pass's output gets no gradient), so it would read freed weights.
+    That is ZeRO-2 for the dt weights. Each backward reduce-scatters with a SUM (the loss weights hold the global
+    normalizers). The loss runs as a forward method of the root (batching.logprobs_forward), so the LM-head weight
+    it reads is the gathered one and its gradient is reduced like every other."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from batching import fsdp_modules, logprobs_forward
@@ -622,7 +623,7 @@ def check_resume_config(saved, cfg):
 
 
 def restore_trainer_state(state, optimizer, r=0, ckpt=None):
-    if state["optimizer"] is None:  # FSDP2: this rank's shard (check_world_size: the same N wrote it)
+    if state["optimizer"] is None:  # FSDP2: this rank's shard (run() checked that the same N wrote it)
         path = os.path.join(ckpt, f"optimizer_rank{r}.pt")
         load_local_optimizer_state(optimizer, loaded("optimizer shard", path, lambda: torch.load(path)))
     else:
