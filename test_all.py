@@ -1722,12 +1722,13 @@ def _train_output(args):
 
 @check
 def test_grpo_torchrun_two_steps_logged_once():
-    """`torchrun --nproc_per_node=2 grpo.py` on CPU (gloo, FSDP2): 2 steps, each logged once (one line per step in
-    log.jsonl and on stdout), a checkpoint that loads in one process (the full weights, tied embeddings once) and
-    holds both ranks' RNG streams (different: the ranks sample different completions) and optimizer shards; the
-    held-out eval, sharded over the ranks, counts every prompt (a reward that marks everything correct gives accuracy
-    1, not rank 0's half); a torchrun resume continues to step 3; a plain one-process resume of it and a
-    prompts_per_step that does not split over WORLD_SIZE are refused with both numbers named."""
+    """`torchrun --nproc_per_node=2 grpo.py` on CPU (gloo, FSDP2, bf16 compute): 2 steps, each logged once (one line
+    per step in log.jsonl and on stdout), a checkpoint that loads in one process (the full float32 weights, a tied
+    embedding once) and holds both ranks' RNG streams (different: the ranks sample different completions) and
+    optimizer shards; the held-out eval, sharded over the ranks, counts every prompt (a reward that marks everything
+    correct gives accuracy 1, not rank 0's half); a torchrun resume continues to step 3 and saves moved weights; a
+    plain one-process resume of it and a prompts_per_step that does not split over WORLD_SIZE are refused with both
+    numbers named."""
     import json
     import socket
     import subprocess
@@ -1749,7 +1750,7 @@ def test_grpo_torchrun_two_steps_logged_once():
         assert p.returncode == 0, p.stderr[-3000:]
         return p.stdout
 
-    stdout = torchrun(2)
+    stdout = torchrun(2, "--dtype=bfloat16")  # MixedPrecisionPolicy: bf16 compute, float32 shards
     assert "2 processes" in stdout and [stdout.count(f"step {i}:") for i in (0, 1, 2)] == [1, 1, 1], stdout[-2000:]
     recs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
     assert [r["step"] for r in recs] == [0, 1, 2], recs
@@ -1767,12 +1768,12 @@ def test_grpo_torchrun_two_steps_logged_once():
     assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "ckpt")).num_parameters() > 0
     # (all-correct rewards have zero advantages; step 3 rewards by length, so its update moves the weights)
     _write(os.path.join(out, "by_len.py"), "def reward(text, example):\n    return float(len(text) % 3), True\n")
-    stdout = torchrun(3, "--resume=True", f"--reward={out}/by_len.py:reward")
+    stdout = torchrun(3, "--dtype=bfloat16", "--resume=True", f"--reward={out}/by_len.py:reward")
     assert "resumed from" in stdout and stdout.count("step 3:") == 1, stdout[-2000:]
     assert [json.loads(line)["step"] for line in open(os.path.join(out, "log.jsonl"))] == [0, 1, 2, 3]
     moved = load_file(os.path.join(out, "ckpt", "model.safetensors"))
     assert any(not torch.equal(moved[k], saved[k]) for k in saved), "step 3's checkpoint holds step 2's weights"
-    res, _ = _train_output(_train_args(out, 4, "--resume=True"))
+    res, _ = _train_output(_train_args(out, 4, "--resume=True", "--dtype=bfloat16"))
     assert isinstance(res, ValueError) and "2 process(es); this one has 1" in str(res), res
     os.environ["WORLD_SIZE"] = "2"
     try:
