@@ -991,54 +991,63 @@ def _dist_worker(rank, world, port, tmp, model_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        for loss_type in ("dapo", "grpo"):
+        for loss_type, engine in (("dapo", "fsdp"), ("grpo", "fsdp"), ("dapo", "replica")):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             assert model.config.tie_word_embeddings
-            grpo.shard_model(model, torch.float32, torch.device("cpu"))  # what torchrun grpo.py runs
+            if engine == "fsdp":
+                grpo.shard_model(model, torch.float32, torch.device("cpu"))  # what torchrun grpo.py runs
             buf, rewards = _dist_buffer()
             mine = list(range(rank * 2, rank * 2 + 2))  # whole groups: the advantages stay local
             local = batching.select_groups(buf, mine)
             G = buf["group_size"]
             _dist_grads_and_step(model, local, rewards.view(-1, G)[mine].reshape(-1),
                                  _trainer_cfg(loss_type=loss_type, micro_batch_tokens=30),
-                                 f"{tmp}/{loss_type}_rank{rank}.pt")
+                                 f"{tmp}/{loss_type}_{engine}_rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 @check
 def test_batching_two_ranks_sum_to_one_process():
-    """torchrun's data path on CPU (gloo, 2 processes, KV reuse on): each rank holds 2 of 4 groups, with very uneven
-    completion lengths; the loss normalizers are counted over both ranks, so the SUM of the two ranks' gradients is
-    the one-process gradient of all 4 groups, and after update_step (gradients all-reduced, AdamW) both ranks hold
-    the one-process weights; the logged loss and grad_norm are the global ones. For dapo (token count) and grpo
-    (sequence count) normalizers."""
+    """torchrun's data path on CPU (gloo, 2 processes, KV reuse on, tied embeddings): each rank holds 2 of 4 groups,
+    with very uneven completion lengths (so the ranks run different numbers of micro-batches); the loss normalizers
+    are counted over both ranks, so the SUM of the two ranks' gradients is the one-process gradient of all 4 groups.
+    Through FSDP2 (grpo.shard_model, for dapo's token count and grpo's sequence count): every rank's full tensor of
+    the reduce-scattered gradient is that sum, and after update_step (clip, AdamW on the shards) the full weights are
+    the one-process weights; the logged loss and grad_norm are the global ones. Through the replica engine
+    (--fsdp=False, dapo): the ranks' own gradients sum to it, and the all-reduced step gives the same weights."""
     import socket
     import tempfile
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
     import batching
     assert not batching.distributed()
+    buf, _ = _dist_buffer()
+    shares = [batching.select_groups(buf, g) for g in ([0, 1], [2, 3])]
+    assert [len(batching.micro_batches(s["prompt_mask"], s["completion_mask"], 3, 30)) for s in shares] == [1, 2]
     tmp = tempfile.mkdtemp(prefix="nanogrpo_dist_")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_dist_worker, args=(2, port, tmp, _tiny_model_dir()), nprocs=2)
-    for loss_type in ("dapo", "grpo"):
+    for loss_type, engines in (("dapo", ("fsdp", "replica")), ("grpo", ("fsdp",))):
         model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
         buf, rewards = _dist_buffer()
         cfg = _trainer_cfg(loss_type=loss_type, micro_batch_tokens=30)
         assert cfg.kv_reuse
         _dist_grads_and_step(model, buf, rewards, cfg, f"{tmp}/{loss_type}_one.pt")
-        one, r0, r1 = (torch.load(f"{tmp}/{loss_type}_{n}.pt") for n in ("one", "rank0", "rank1"))
-        for r in (r0, r1):
-            for i, g in enumerate(one["grads"]):
-                assert_close(r["grads"][i], g, 1e-5, f"{loss_type} summed grad {i}")
-            for i, w in enumerate(one["weights"]):
-                assert_close(r["weights"][i], w, 1e-5, f"{loss_type} weights {i}")
-            for k in ("loss", "grad_norm", "entropy", "clip_ratio"):
-                assert abs(r["stats"][k] - one["stats"][k]) <= 1e-5 * max(1.0, abs(one["stats"][k])), (
-                    loss_type, k, r["stats"][k], one["stats"][k])
+        one = torch.load(f"{tmp}/{loss_type}_one.pt")
+        for engine in engines:
+            r0, r1 = (torch.load(f"{tmp}/{loss_type}_{engine}_{n}.pt") for n in ("rank0", "rank1"))
+            for r in (r0, r1):
+                for i, g in enumerate(one["grads"]):  # FSDP2: the summed gradient on each rank; a replica: its own
+                    got = r["grads"][i] if engine == "fsdp" else r0["grads"][i] + r1["grads"][i]
+                    assert_close(got, g, 1e-5, f"{loss_type} {engine} summed grad {i}")
+                for i, w in enumerate(one["weights"]):
+                    assert_close(r["weights"][i], w, 1e-5, f"{loss_type} {engine} weights {i}")
+                for k in ("loss", "grad_norm", "entropy", "clip_ratio"):
+                    assert abs(r["stats"][k] - one["stats"][k]) <= 1e-5 * max(1.0, abs(one["stats"][k])), (
+                        loss_type, engine, k, r["stats"][k], one["stats"][k])
 
 
 def _policy_cfg(**kw):
