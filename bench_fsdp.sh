@@ -96,7 +96,7 @@ EOF
     t0=$(date +%s)
     $TORCHRUN --nproc_per_node="$NPROC" /tmp/nanogrpo_bench_run.py --model="$D" --prompts_per_step=16 --group_size=8 \
         --max_completion_len=512 --temperature=1.0 --gradient_checkpointing=True --micro_batch_tokens=16384 \
-        --eval_every=0 --eval_size=2 --max_steps=4 --max_minutes=0 --lr=1e-6 --out_dir="$OUT" --overwrite=True "$@"
+        --eval_every=0 --eval_size=4 --max_steps=4 --max_minutes=0 --lr=1e-6 --out_dir="$OUT" --overwrite=True "$@"
     echo "wall $(( $(date +%s) - t0 )) s (incl. loading)"
     smi_stop /tmp/nanogrpo_smi7b.csv
     steps "$OUT/log.jsonl"
