@@ -283,6 +283,10 @@ def shard_model(model, dt, dev):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from batching import fsdp_modules, logprobs_forward
     mesh = init_device_mesh(dev.type, (world_size(),))
+    for module in model.modules():  # float buffers (RoPE's inv_freq) in dt, as make_optimizer's policy.to(dt) leaves
+        for name, buf in module.named_buffers(recurse=False):  # them in one process (and the reference model here)
+            if buf.is_floating_point():
+                setattr(module, name, buf.to(dt))
     mp = MixedPrecisionPolicy(param_dtype=None if dt == torch.float32 else dt, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
