@@ -49,6 +49,33 @@ def world_size():
     return torch.distributed.get_world_size() if distributed() else 1
 
 
+def fsdp_modules(model):
+    """the FSDP2 units of a model sharded by grpo.shard_model (decoder layers, then the root); [] for a plain model"""
+    from torch.distributed.fsdp import FSDPModule
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """FSDP2: the full weights on every rank for generation (one all-gather per unit, not one per decode step), and
+    the plain HF modules running on them: FSDP's forward hooks are set aside meanwhile (under a CUDA graph capture
+    or torch.compile their stream waits and Python state would be captured too). Resharded on exit. A no-op for a
+    plain model. Every rank must enter it together (the all-gathers are collectives)."""
+    units = fsdp_modules(model)
+    for m in units:
+        m.unshard()
+    hooks = [(m, m._forward_pre_hooks, m._forward_hooks) for m in units]
+    for m in units:
+        m._forward_pre_hooks, m._forward_hooks = type(m._forward_pre_hooks)(), type(m._forward_hooks)()
+    try:
+        yield
+    finally:
+        for m, pre, post in hooks:
+            m._forward_pre_hooks, m._forward_hooks = pre, post
+        for m in units:
+            m.reshard()
+
+
 def global_sum(x, op="sum"):
     """x summed (or max / min) over the ranks of a torchrun job; x itself in one process"""
     if distributed():
@@ -195,10 +222,22 @@ def slice_groups(buf, b0, b1):
 def completion_logprobs(model, mb, keep, temperature, logprob_impl, kv_reuse, entropy):
     """log pi(token) of the completion tokens where keep (B*G, C) is True, response-only: (B*G, C, H) -> (N, H) ->
     LM head. Returns (logp (N,), ent (N,) or None), N = keep.sum(), row-major order."""
-    hidden = completion_hidden(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                               mb["completion_mask"], mb["group_size"], reuse=kv_reuse)  # (B*G, C, H)
+    args = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"], mb["group_size"], keep,
+            temperature, logprob_impl, kv_reuse, entropy)
+    if "logprobs_forward" in vars(model):  # FSDP2 (grpo.shard_model): the same function, as a forward of the root
+        return model.logprobs_forward(*args)
+    return logprobs_forward(model, *args)
+
+
+def logprobs_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size, keep, temperature,
+                     logprob_impl, kv_reuse, entropy):
+    """completion_logprobs' body. Under FSDP2 it runs as a forward method of the root (register_fsdp_forward_method),
+    so the LM-head weight read here (tied to the embeddings or not) is the root's gathered one, and its gradient is
+    reduce-scattered by the root's backward hooks like every other."""
+    hidden = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size,
+                               reuse=kv_reuse)  # (B*G, C, H)
     h = hidden[keep]  # (N, H): the only rows the LM head ever sees
-    targets = mb["completion_ids"][keep]  # (N,)
+    targets = completion_ids[keep]  # (N,)
     weight = model.get_output_embeddings().weight  # (V, H)
     return token_logprobs(h.to(weight.dtype), weight, targets, temperature=temperature, entropy=entropy,
                           impl=logprob_impl)
@@ -326,38 +365,61 @@ def micro_batch_loss(model, mb, cfg):
     return loss, stats
 
 
+def backward(model, buf, mbs, cfg):
+    """the summed gradient of one mini-batch's micro-batches in .grad (under FSDP2: reduce-scattered over the ranks
+    into the float32 shards, and the modules resharded). Returns (stats summed over the micro-batches (device
+    tensors), the summed loss, the summed loss weights)."""
+    G = buf["group_size"]
+    w_sum = sum(buf["loss_weights"][b0 * G:b1 * G].sum() for b0, b1 in mbs)  # what the weighted means are relative to
+    totals, loss_total = {}, torch.zeros_like(w_sum)  # on the device: no host sync per micro-batch
+    units = fsdp_modules(model)
+    runs = [(b0, b1) for b0, b1 in mbs if (buf["loss_weights"][b0 * G:b1 * G] > 0).any()]  # e.g. all truncated+masked
+    if units:  # FSDP2: each backward reduce-scatters (a collective), so every rank runs as many; a rank short of
+        # micro-batches runs its first group again with its loss times 0 (zero gradient, same hooks and collectives)
+        runs += [None] * (int(global_sum(torch.tensor(len(runs), device=w_sum.device), "max")) - len(runs))
+    for run in runs:
+        if run is None:
+            mb = slice_groups(buf, mbs[0][0], mbs[0][0] + 1)
+            mb["loss_weights"] = mb["completion_mask"].float()  # some tokens, so the graph reaches every weight
+        else:
+            mb = slice_groups(buf, *run)
+        with oom_names_knob(cfg, f"in the loss of a micro-batch of {len(mb['prompt_ids'])} groups x {G} completions"):
+            loss, stats = micro_batch_loss(model, mb, cfg)
+            (loss if run is not None else loss * 0).backward()
+        if run is None:
+            continue
+        loss_total = loss_total + loss.detach()
+        for k, v in stats.items():
+            totals[k] = (v if k not in totals else torch.maximum(totals[k], v) if k.endswith("_max") else
+                         torch.minimum(totals[k], v) if k.endswith("_min") else totals[k] + v)
+    for m in units:  # back to the float32 shards (each holds its summed gradient), which the optimizer steps
+        m.reshard()
+    return totals, loss_total, w_sum
+
+
 def update_step(model, optimizer, buf, mbs, cfg, master=None):
     """one optimizer step over one mini-batch (the micro-batches mbs, one entry of prepare_buffer's list):
     accumulate the micro-batches' gradients, clip, step. Because every token's weight already holds the
     mini-batch's normalizer, the summed gradient is identical (up to float rounding) for any micro-batch split.
     With `master` (float32 copies of a bf16 model's parameters, which the optimizer holds) the gradients go to the
     masters and the stepped masters are rounded back into the model."""
-    G = buf["group_size"]
-    w_sum = sum(buf["loss_weights"][b0 * G:b1 * G].sum() for b0, b1 in mbs)  # what the weighted means are relative to
-    totals, loss_total = {}, torch.zeros_like(w_sum)  # on the device: no host sync per micro-batch
-    for b0, b1 in mbs:
-        mb = slice_groups(buf, b0, b1)
-        if not (mb["loss_weights"] > 0).any():
-            continue  # e.g. every completion of these groups truncated and masked
-        with oom_names_knob(cfg, f"in the loss of a micro-batch of {b1 - b0} groups x {G} completions"):
-            loss, stats = micro_batch_loss(model, mb, cfg)
-            loss.backward()
-        loss_total = loss_total + loss.detach()
-        for k, v in stats.items():
-            totals[k] = (v if k not in totals else torch.maximum(totals[k], v) if k.endswith("_max") else
-                         torch.minimum(totals[k], v) if k.endswith("_min") else totals[k] + v)
+    totals, loss_total, w_sum = backward(model, buf, mbs, cfg)
+    units = fsdp_modules(model)
     params = list(model.parameters())
     if master is not None:  # the gradients move to the float32 masters first, so the clip norm is float32 too
         for m, p in zip(master, params):
             m.grad, p.grad = (p.grad.float() if p.grad is not None else None), None
-    if distributed():  # every rank holds the whole model: sum the ranks' gradients (the loss weights carry the
-        for p in (master if master is not None else params):  # global normalizers), in float32 where there are masters
-            if p.requires_grad:
+    if distributed() and not units:  # every rank holds the whole model: sum the ranks' gradients (the loss weights
+        for p in (master if master is not None else params):  # carry the global normalizers), in float32 where
+            if p.requires_grad:  # there are masters
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # a rank may have had no loss tokens
                 torch.distributed.all_reduce(p.grad)
+    if distributed():
         totals, loss_total, w_sum = global_stats(totals, w_sum.device), global_sum(loss_total), global_sum(w_sum)
     grad_norm = torch.nn.utils.clip_grad_norm_(master if master is not None else params,
                                                cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over every rank's shards
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if master is not None:

@@ -3,7 +3,7 @@ nanoGRPO: GRPO on one GPU, read top to bottom.
 
     python grpo.py                                   # the default: SmolLM2-135M-Instruct on synthetic arithmetic
     python grpo.py --task=countdown --lr=5e-6        # any config global below can be overridden as --key=value
-    torchrun --nproc_per_node=2 grpo.py              # 2 processes, each a device and half of each step's groups
+    torchrun --nproc_per_node=2 grpo.py              # 2 processes (FSDP2), each a device and half of each step's groups
 
 One step = one generation batch (prompts_per_step x group_size completions, sampled once; with dynamic_sampling,
 resampled until its groups carry signal) followed by num_iterations x steps_per_generation optimizer steps over it
@@ -91,6 +91,7 @@ out_dir = "out"  # log.jsonl, ckpt/, curves.png, LOCK; an earlier run there is n
 resume = False  # continue the run in out_dir from its checkpoint
 overwrite = False  # replace an earlier run in out_dir (its log.jsonl, curves.png and checkpoint)
 dist_timeout_minutes = 10.0  # torchrun: a collective that waits longer (a rank died or hangs) ends the job
+fsdp = True  # torchrun: FSDP2 (weights, gradients, AdamW state sharded over the ranks); False: a replica per rank
 
 CONFIG_KEYS = [k for k, v in list(globals().items()) if not k.startswith("_") and isinstance(v, (bool, int, float, str))]
 
@@ -153,7 +154,7 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
 }
 FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite", "mask_truncated_completions",
              "kv_reuse", "gradient_checkpointing", "task", "eval_file", "reward", "reward_weights",
-             "dynamic_sampling", "vllm_importance_sampling_correction")  # strings checked below, and booleans
+             "dynamic_sampling", "vllm_importance_sampling_correction", "fsdp")  # strings checked below, and booleans
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
@@ -242,11 +243,12 @@ def resolve(cfg):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# more than one process: `torchrun --nproc_per_node=N grpo.py ...`. Each rank holds the whole model (a replica),
-# generates and scores its own prompts_per_step / N whole groups (advantages stay local) from its own RNG stream
-# (seed + rank), and update_step sums the ranks' gradients; batching.py counts the loss normalizers over all ranks,
-# so that sum is the one-process gradient of the whole step. The held-out eval is sharded; rank 0 alone prints, logs
-# and saves. Plain `python grpo.py` sets no RANK: rank 0 of 1, and nothing here runs.
+# more than one process: `torchrun --nproc_per_node=N grpo.py ...`. Each rank generates and scores its own
+# prompts_per_step / N whole groups (advantages stay local) from its own RNG stream (seed + rank); batching.py counts
+# the loss normalizers over all ranks, so the SUM of the ranks' gradients is the one-process gradient of the whole
+# step. The model is sharded with FSDP2 (shard_model; --fsdp=False: a full replica per rank, gradients all-reduced).
+# The held-out eval is sharded; rank 0 alone prints, logs and saves. Plain `python grpo.py` sets no RANK: rank 0 of
+# 1, and nothing here runs.
 # ------------------------------------------------------------------------------------------------------------------
 def setup_distributed(cfg, dev):
     """the process group from torchrun's environment; returns (rank, world size, this rank's device)"""
@@ -263,6 +265,40 @@ def setup_distributed(cfg, dev):
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 prints; errors (stderr) still show from every rank
     return rank, world, dev
+
+
+def shard_model(model, dt, dev):
+    """FSDP2: fully_shard each decoder layer, then the root (embeddings, final norm, LM head: tied ones stay one
+    parameter). The float32 weights, their gradients and AdamW's moments (16 bytes a parameter) are sharded over the
+    ranks; forward and backward run in dt on gathered weights (MixedPrecisionPolicy; gradients reduce-scattered in
+    float32): the one-process path's float32 masters beside dt weights. A gathered unit stays gathered from its
+    first forward to the end of the mini-batch's backward (batching.backward reshards): kv_reuse calls each layer
+    twice (prompt, then completions), and the prompt pass's backward, started by the completions' K/V gradients,
+    runs after that layer's post-backward hook of the completion pass (which reshards by default), and for the last
+    layer without any pre-backward hook (the prompt pass's output gets no gradient), so it would read freed weights.
+    That is ZeRO-2 for the dt weights. Each backward reduce-scatters with a SUM (the loss weights hold the global
+    normalizers). The loss runs as a forward method of the root (batching.logprobs_forward), so the LM-head weight
+    it reads is the gathered one and its gradient is reduced like every other."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from batching import fsdp_modules, logprobs_forward
+    mesh = init_device_mesh(dev.type, (world_size(),))
+    for module in model.modules():  # float buffers (RoPE's inv_freq) in dt, as make_optimizer's policy.to(dt) leaves
+        for name, buf in module.named_buffers(recurse=False):  # them in one process (and the reference model here)
+            if buf.is_floating_point():
+                setattr(module, name, buf.to(dt))
+    mp = MixedPrecisionPolicy(param_dtype=None if dt == torch.float32 else dt, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    model.set_reshard_after_backward(False)  # (recursive) reshard only after the step: see above
+    for m in fsdp_modules(model):
+        m.set_gradient_divide_factor(1.0)  # a sum over the ranks, not FSDP's default mean...
+        m.set_force_sum_reduction_for_comms(True)  # ...as a plain SUM (gloo has no PREMUL_SUM)
+    model.logprobs_forward = lambda *args: tuple(t if t is None else t.clone()  # (FSDP hooks its outputs: no views)
+                                                 for t in logprobs_forward(model, *args))
+    register_fsdp_forward_method(model, "logprobs_forward")
+    return model
 
 
 def world_size_errors(cfg, world):
@@ -513,29 +549,62 @@ def recover_checkpoint(out_dir):
 
 
 def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
-    """every rank calls it (its RNG state goes in); rank 0 writes: its replica and optimizer are everyone's"""
+    """every rank calls it (its RNG state goes in); rank 0 writes the HF directory. A replica's optimizer is rank 0's;
+    under FSDP2 the full float32 weights are gathered to rank 0's CPU, and each rank writes its own optimizer shard
+    (optimizer_rank{r}.pt) into ckpt.tmp before rank 0 writes trainer_state.pt and swaps the directory in"""
+    from batching import all_ranks, fsdp_modules
     rng = dict(torch=torch.get_rng_state(), python=random.getstate(),
                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-    from batching import all_ranks
     rngs = all_ranks(rng)
-    if rank() != 0:
-        return
-    recover_checkpoint(cfg.out_dir)  # no ckpt.tmp or ckpt.old left in the way (a leftover ckpt.old wedged saves)
+    sharded = bool(fsdp_modules(model))
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}  # (a tied one once)
+        weights = {k: v for k, v in weights.items() if k in names}
     final = os.path.join(cfg.out_dir, "ckpt")
     tmp, old = final + ".tmp", final + ".old"
-    if master is not None:  # the float32 masters are the weights; the bf16 model is their rounding
-        model.save_pretrained(tmp, state_dict={n: m for (n, _), m in zip(model.named_parameters(), master)})
-    else:
-        model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    if rank() == 0:
+        recover_checkpoint(cfg.out_dir)  # no ckpt.tmp or ckpt.old left in the way (a leftover ckpt.old wedged saves)
+        if sharded:  # the float32 shards are the weights (the masters of a bf16 run)
+            model.save_pretrained(tmp, state_dict=weights)
+        elif master is not None:  # the float32 masters are the weights; the bf16 model is their rounding
+            model.save_pretrained(tmp, state_dict={n: m for (n, _), m in zip(model.named_parameters(), master)})
+        else:
+            model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    if sharded:
+        rank0_value(None)  # tmp exists (and no leftover is removed from under the other ranks' files)
+        torch.save(local_optimizer_state(optimizer), os.path.join(tmp, f"optimizer_rank{rank()}.pt"))
+        rank0_value(None)  # every shard written
+    if rank() != 0:
+        return
     state = os.path.join(tmp, "trainer_state.pt")
-    torch.save(dict(step=step, optimizer=optimizer.state_dict(), rng=rng, rng_ranks=rngs, world_size=len(rngs),
-                    config=vars(cfg)), state + ".part")
+    torch.save(dict(step=step, optimizer=None if sharded else optimizer.state_dict(), rng=rng, rng_ranks=rngs,
+                    world_size=len(rngs), config=vars(cfg)), state + ".part")
     os.replace(state + ".part", state)  # tmp is complete from here on
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def local_optimizer_state(optimizer):
+    """the optimizer's state_dict with each DTensor (FSDP2: this rank's shard of a moment) as its local tensor"""
+    sd = optimizer.state_dict()
+    local = lambda v: v.to_local() if hasattr(v, "to_local") else v  # noqa: E731
+    return dict(sd, state={i: {k: local(v) for k, v in s.items()} for i, s in sd["state"].items()})
+
+
+def load_local_optimizer_state(optimizer, sd):
+    """local_optimizer_state's inverse: each moment back into a DTensor shaped and placed like its parameter"""
+    from torch.distributed.tensor import DTensor
+    optimizer.load_state_dict(sd)
+    for p, s in optimizer.state.items():
+        for k, v in s.items():
+            if isinstance(p, DTensor) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
+                s[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                          stride=p.stride())
 
 
 def read_trainer_state(ckpt):
@@ -557,8 +626,12 @@ def check_resume_config(saved, cfg):
         print(f"resume: --{k} changed from {a!r} to {b!r}")
 
 
-def restore_trainer_state(state, optimizer, r=0):
-    optimizer.load_state_dict(state["optimizer"])
+def restore_trainer_state(state, optimizer, r=0, ckpt=None):
+    if state["optimizer"] is None:  # FSDP2: this rank's shard (run() checked that the same N wrote it)
+        path = os.path.join(ckpt, f"optimizer_rank{r}.pt")
+        load_local_optimizer_state(optimizer, loaded("optimizer shard", path, lambda: torch.load(path)))
+    else:
+        optimizer.load_state_dict(state["optimizer"])
     rng = state["rng_ranks"][r] if "rng_ranks" in state else state["rng"]  # this rank's own stream
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
@@ -599,13 +672,15 @@ def make_optimizer(policy, cfg, dt):
     """AdamW over float32 weights. For a bf16 run the model itself holds dt copies (generation, forward and
     backward all run in dt) and the optimizer holds float32 masters, rounded into the model after each step:
     stepping bf16 weights directly drops every update below 2^-8 of the weight, and an lr=1e-5 AdamW update is
-    ~1e-3 of a typical weight. Returns (optimizer, masters or None)."""
-    master = None
-    if dt != torch.float32:
+    ~1e-3 of a typical weight. Under FSDP2 the sharded parameters are the float32 masters themselves (shard_model's
+    MixedPrecisionPolicy gathers them in dt). Returns (optimizer, masters or None)."""
+    from batching import fsdp_modules
+    master, sharded = None, bool(fsdp_modules(policy))
+    if dt != torch.float32 and not sharded:
         master = [p.detach().clone().requires_grad_(True) for p in policy.parameters()]  # float32, before .to(dt)
         policy.to(dt)
     params = master if master is not None else list(policy.parameters())
-    fused = {"fused": True} if params[0].is_cuda else {}
+    fused = {} if not params[0].is_cuda else {"foreach": True} if sharded else {"fused": True}  # (DTensors: foreach)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay, **fused)
     return opt, master
 
@@ -726,7 +801,7 @@ def train(argv):
 def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     from tqdm import tqdm
 
-    from batching import all_ranks, prepare_buffer, update_step
+    from batching import all_ranks, gathered, prepare_buffer, update_step
     r, world = rank(), world_size()
     ckpt = rank0_value(prepare_out_dir(cfg) if r == 0 else None)  # the other ranks wait for rank 0's recovery
     state = read_trainer_state(ckpt) if ckpt else None
@@ -736,17 +811,22 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
             raise ValueError(f"{ckpt} was written by a run of {state.get('world_size', 1)} process(es); this one has "
                              f"{world}: resume with the same number (torchrun --nproc_per_node=N, or plain python "
                              f"for 1)")
+        if world > 1 and (state["optimizer"] is None) != cfg.fsdp:  # sharded optimizer files vs one whole state
+            raise ValueError(f"{ckpt} was written with --fsdp={state['optimizer'] is None}; resume with the same")
     torch.manual_seed(cfg.seed + r)  # each rank samples its own completions; rank 0 (one process) as before
     random.seed(cfg.seed + r)
     # on resume the policy comes from ckpt, the reference from here; rank 0 converts the GGUF once, the others wait
     base = rank0_value(resolve_model_path(cfg.model, cfg.gguf_dir) if r == 0 else None)
     tokenizer = load_tokenizer(ckpt or base)
     encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)  # max_prompt_len: said before loading
-    policy = load_model(ckpt or base, dev)
+    sharded = world > 1 and cfg.fsdp
+    policy = load_model(ckpt or base, torch.device("cpu") if sharded else dev)  # (FSDP2 moves each shard to dev)
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if sharded:
+        shard_model(policy, dt, dev)
     ref_model = None
-    if cfg.beta > 0:  # k3 KL anchor: the initial weights, frozen
+    if cfg.beta > 0:  # k3 KL anchor: the initial weights, frozen (under FSDP2 too: a dt replica on every rank)
         ref_model = load_model(base, dev).to(dt).eval().requires_grad_(False)
     optimizer, master = make_optimizer(policy, cfg, dt)
     reward_fn, reward_count = make_reward(reward_fn, cfg.reward, cfg.reward_weights)
@@ -754,13 +834,14 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     log_path = os.path.join(cfg.out_dir, "log.jsonl")
     step = 0
     if state:
-        step = restore_trainer_state(state, optimizer, r)
+        step = restore_trainer_state(state, optimizer, r, ckpt)
         del state
         records = read_log(log_path, step) if r == 0 else []  # steps logged after the checkpoint are dropped (redone)
         print(f"resumed from {ckpt} at step {step}")
     else:
         records = []
-        ev = evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev)
+        with gathered(policy):
+            ev = evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev)
         records.append(dict(step=0, **ev, minutes=(time.time() - t_start) / 60))
         print(f"step 0: held-out greedy accuracy {ev['eval_accuracy']:.3f} (format {ev['eval_format']:.3f}) on "
               f"{len(eval_set)} prompts" + (f", pass@{cfg.eval_pass_k} {ev['eval_pass_k']:.3f}" if cfg.eval_pass_k
@@ -779,8 +860,9 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         t0 = time.time()
         policy.eval()
         errors_before = reward_count["errors"]
-        buf, rewards, sample_stats = sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn,
-                                                 eval_questions, dev)
+        with gathered(policy):  # FSDP2: the full weights for this step's generation (a no-op otherwise)
+            buf, rewards, sample_stats = sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn,
+                                                     eval_questions, dev)
         t1 = time.time()
         # 3. advantages, mini-batches, loss weights, old/ref log-probs; then num_iterations passes of
         # steps_per_generation optimizer steps over the same buffer
@@ -808,7 +890,8 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         out_of_time = rank0_value(cfg.max_minutes > 0 and time.time() - t_start > cfg.max_minutes * 60)  # all stop
         last = step == cfg.max_steps or out_of_time
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or last:  # every rank: the eval is sharded
-            rec.update(evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev))
+            with gathered(policy):
+                rec.update(evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev))
         records.append(rec)
         if r == 0:
             with open(log_path, "a") as f:

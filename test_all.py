@@ -966,18 +966,18 @@ def _dist_buffer():
 
 
 def _dist_grads_and_step(model, buf, rewards, cfg, out):
-    """prepare_buffer, this process's gradient (before any all-reduce), then one update_step (AdamW); saved to out"""
+    """prepare_buffer, the mini-batch's gradient (one process: its own; FSDP2: the sum over the ranks, as each rank's
+    full tensor), then one update_step (AdamW) from the same start; gradients, weights (full) and stats saved to out"""
     import batching
     import grpo
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 - a DTensor's whole tensor
     steps, _ = batching.prepare_buffer(model, None, buf, rewards, cfg)
-    for b0, b1 in steps[0]:
-        loss, _ = batching.micro_batch_loss(model, batching.slice_groups(buf, b0, b1), cfg)
-        loss.backward()
-    grads = [p.grad.clone() for p in model.parameters()]
+    batching.backward(model, buf, steps[0], cfg)
+    grads = [full(p.grad).clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     optimizer, _ = grpo.make_optimizer(model, cfg, torch.float32)
     stats = batching.update_step(model, optimizer, buf, steps[0], cfg)
-    torch.save(dict(grads=grads, weights=[p.detach().clone() for p in model.parameters()], stats=stats), out)
+    torch.save(dict(grads=grads, weights=[full(p.detach()).clone() for p in model.parameters()], stats=stats), out)
 
 
 def _dist_worker(rank, world, port, tmp, model_dir):
@@ -986,56 +986,68 @@ def _dist_worker(rank, world, port, tmp, model_dir):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
     import batching
+    import grpo
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        for loss_type in ("dapo", "grpo"):
+        for loss_type, engine in (("dapo", "fsdp"), ("grpo", "fsdp"), ("dapo", "replica")):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            assert model.config.tie_word_embeddings
+            if engine == "fsdp":
+                grpo.shard_model(model, torch.float32, torch.device("cpu"))  # what torchrun grpo.py runs
             buf, rewards = _dist_buffer()
             mine = list(range(rank * 2, rank * 2 + 2))  # whole groups: the advantages stay local
             local = batching.select_groups(buf, mine)
             G = buf["group_size"]
             _dist_grads_and_step(model, local, rewards.view(-1, G)[mine].reshape(-1),
                                  _trainer_cfg(loss_type=loss_type, micro_batch_tokens=30),
-                                 f"{tmp}/{loss_type}_rank{rank}.pt")
+                                 f"{tmp}/{loss_type}_{engine}_rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 @check
 def test_batching_two_ranks_sum_to_one_process():
-    """torchrun's data path on CPU (gloo, 2 processes, KV reuse on): each rank holds 2 of 4 groups, with very uneven
-    completion lengths; the loss normalizers are counted over both ranks, so the SUM of the two ranks' gradients is
-    the one-process gradient of all 4 groups, and after update_step (gradients all-reduced, AdamW) both ranks hold
-    the one-process weights; the logged loss and grad_norm are the global ones. For dapo (token count) and grpo
-    (sequence count) normalizers."""
+    """torchrun's data path on CPU (gloo, 2 processes, KV reuse on, tied embeddings): each rank holds 2 of 4 groups,
+    with very uneven completion lengths (so the ranks run different numbers of micro-batches); the loss normalizers
+    are counted over both ranks, so the SUM of the two ranks' gradients is the one-process gradient of all 4 groups.
+    Through FSDP2 (grpo.shard_model, for dapo's token count and grpo's sequence count): every rank's full tensor of
+    the reduce-scattered gradient is that sum, and after update_step (clip, AdamW on the shards) the full weights are
+    the one-process weights; the logged loss and grad_norm are the global ones. Through the replica engine
+    (--fsdp=False, dapo): the ranks' own gradients sum to it, and the all-reduced step gives the same weights."""
     import socket
     import tempfile
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
     import batching
     assert not batching.distributed()
+    buf, _ = _dist_buffer()
+    shares = [batching.select_groups(buf, g) for g in ([0, 1], [2, 3])]
+    assert [len(batching.micro_batches(s["prompt_mask"], s["completion_mask"], 3, 30)) for s in shares] == [1, 2]
     tmp = tempfile.mkdtemp(prefix="nanogrpo_dist_")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_dist_worker, args=(2, port, tmp, _tiny_model_dir()), nprocs=2)
-    for loss_type in ("dapo", "grpo"):
+    for loss_type, engines in (("dapo", ("fsdp", "replica")), ("grpo", ("fsdp",))):
         model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
         buf, rewards = _dist_buffer()
         cfg = _trainer_cfg(loss_type=loss_type, micro_batch_tokens=30)
         assert cfg.kv_reuse
         _dist_grads_and_step(model, buf, rewards, cfg, f"{tmp}/{loss_type}_one.pt")
-        one, r0, r1 = (torch.load(f"{tmp}/{loss_type}_{n}.pt") for n in ("one", "rank0", "rank1"))
-        for i, g in enumerate(one["grads"]):
-            assert_close(r0["grads"][i] + r1["grads"][i], g, 1e-5, f"{loss_type} summed grad {i}")
-        for r in (r0, r1):
-            for i, w in enumerate(one["weights"]):
-                assert_close(r["weights"][i], w, 1e-5, f"{loss_type} weights {i}")
-            for k in ("loss", "grad_norm", "entropy", "clip_ratio"):
-                assert abs(r["stats"][k] - one["stats"][k]) <= 1e-5 * max(1.0, abs(one["stats"][k])), (
-                    loss_type, k, r["stats"][k], one["stats"][k])
+        one = torch.load(f"{tmp}/{loss_type}_one.pt")
+        for engine in engines:
+            r0, r1 = (torch.load(f"{tmp}/{loss_type}_{engine}_{n}.pt") for n in ("rank0", "rank1"))
+            for r in (r0, r1):
+                for i, g in enumerate(one["grads"]):  # FSDP2: the summed gradient on each rank; a replica: its own
+                    got = r["grads"][i] if engine == "fsdp" else r0["grads"][i] + r1["grads"][i]
+                    assert_close(got, g, 1e-5, f"{loss_type} {engine} summed grad {i}")
+                for i, w in enumerate(one["weights"]):
+                    assert_close(r["weights"][i], w, 1e-5, f"{loss_type} {engine} weights {i}")
+                for k in ("loss", "grad_norm", "entropy", "clip_ratio"):
+                    assert abs(r["stats"][k] - one["stats"][k]) <= 1e-5 * max(1.0, abs(one["stats"][k])), (
+                        loss_type, engine, k, r["stats"][k], one["stats"][k])
 
 
 def _policy_cfg(**kw):
@@ -1719,12 +1731,13 @@ def _train_output(args):
 
 @check
 def test_grpo_torchrun_two_steps_logged_once():
-    """`torchrun --nproc_per_node=2 grpo.py` on CPU (gloo): 2 steps, each logged once (one line per step in
-    log.jsonl and on stdout), a checkpoint that loads in one process and holds both ranks' RNG streams (different:
-    the ranks sample different completions); the held-out eval, sharded over the ranks, counts every prompt (a
-    reward that marks everything correct gives accuracy 1, not rank 0's half); a plain one-process resume of it and
-    a prompts_per_step that does not split over WORLD_SIZE are refused with both numbers named. (A torchrun resume
-    to step 3 passed by hand; a second launch would add ~9 s to CI.)"""
+    """`torchrun --nproc_per_node=2 grpo.py` on CPU (gloo, FSDP2, bf16 compute): 2 steps, each logged once (one line
+    per step in log.jsonl and on stdout), a checkpoint that loads in one process (the full float32 weights, a tied
+    embedding once) and holds both ranks' RNG streams (different: the ranks sample different completions) and
+    optimizer shards; the held-out eval, sharded over the ranks, counts every prompt (a reward that marks everything
+    correct gives accuracy 1, not rank 0's half); a torchrun resume continues to step 3 and saves moved weights; a
+    plain one-process resume of it and a prompts_per_step that does not split over WORLD_SIZE are refused with both
+    numbers named."""
     import json
     import socket
     import subprocess
@@ -1746,7 +1759,7 @@ def test_grpo_torchrun_two_steps_logged_once():
         assert p.returncode == 0, p.stderr[-3000:]
         return p.stdout
 
-    stdout = torchrun(2)
+    stdout = torchrun(2, "--dtype=bfloat16")  # MixedPrecisionPolicy: bf16 compute, float32 shards
     assert "2 processes" in stdout and [stdout.count(f"step {i}:") for i in (0, 1, 2)] == [1, 1, 1], stdout[-2000:]
     recs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
     assert [r["step"] for r in recs] == [0, 1, 2], recs
@@ -1755,8 +1768,21 @@ def test_grpo_torchrun_two_steps_logged_once():
     state = torch.load(os.path.join(out, "ckpt", "trainer_state.pt"), weights_only=False)
     assert state["world_size"] == 2 and len(state["rng_ranks"]) == 2, state.keys()
     assert not torch.equal(state["rng_ranks"][0]["torch"], state["rng_ranks"][1]["torch"]), "ranks share one stream"
+    assert sorted(f for f in os.listdir(os.path.join(out, "ckpt")) if f.startswith("optimizer_rank")) == [
+        "optimizer_rank0.pt", "optimizer_rank1.pt"] and state["optimizer"] is None
+    from safetensors.torch import load_file
+    saved = load_file(os.path.join(out, "ckpt", "model.safetensors"))
+    tiny = load_file(os.path.join(_tiny_model_dir(), "model.safetensors"))
+    assert sorted(saved) == sorted(tiny) and all(saved[k].dtype == torch.float32 for k in saved), sorted(saved)
     assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "ckpt")).num_parameters() > 0
-    res, _ = _train_output(_train_args(out, 3, "--resume=True"))
+    # (all-correct rewards have zero advantages; step 3 rewards by length, so its update moves the weights)
+    _write(os.path.join(out, "by_len.py"), "def reward(text, example):\n    return float(len(text) % 3), True\n")
+    stdout = torchrun(3, "--dtype=bfloat16", "--resume=True", f"--reward={out}/by_len.py:reward")
+    assert "resumed from" in stdout and stdout.count("step 3:") == 1, stdout[-2000:]
+    assert [json.loads(line)["step"] for line in open(os.path.join(out, "log.jsonl"))] == [0, 1, 2, 3]
+    moved = load_file(os.path.join(out, "ckpt", "model.safetensors"))
+    assert any(not torch.equal(moved[k], saved[k]) for k in saved), "step 3's checkpoint holds step 2's weights"
+    res, _ = _train_output(_train_args(out, 4, "--resume=True", "--dtype=bfloat16"))
     assert isinstance(res, ValueError) and "2 process(es); this one has 1" in str(res), res
     os.environ["WORLD_SIZE"] = "2"
     try:

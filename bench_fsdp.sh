@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# torchrun + FSDP2 on GPUs (issue 10), from the repo root of a box with >= 2 GPUs (kind nvidia-h200-x2):
+#   bash bench_fsdp.sh 7b [--key=value ...]         # random-weight Qwen2.5-7B-shaped model (no hub), 4 steps on
+#                                                   # NPROC (2) GPUs: seconds per step (gen, update), GiB per GPU
+#   bash bench_fsdp.sh smollm2 1 [--key=value ...]  # the default config (SmolLM2-135M) on 1 GPU: python grpo.py
+#   bash bench_fsdp.sh smollm2 2 [--key=value ...]  # ...and on 2 GPUs at the same global batch: torchrun
+#   bash bench_fsdp.sh summary                      # the smollm2 runs side by side (gen/update s per step, held-out)
+# Each prints the per-step numbers from its log.jsonl (gen_s, update_s, peak_gib = rank 0's max_memory_allocated)
+# and, per GPU, the most memory nvidia-smi saw in use (allocator cache and NCCL buffers included).
+# 7b skips the final checkpoint (~90 GB of files: float32 weights + two AdamW shards); BENCH_SAVE=1 keeps it.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+NPROC=${NPROC:-2}
+TORCHRUN="$PY -m torch.distributed.run --standalone"
+what=${1:-7b}
+shift || true
+
+smi_start() {  # nvidia-smi samples every 0.5 s into $1, in the background (its pid in SMI)
+    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$1" &
+    SMI=$!
+}
+smi_stop() {  # stop our sampler (by its pid) and print the most memory each GPU had in use
+    kill "$SMI" 2>/dev/null || true
+    wait "$SMI" 2>/dev/null || true
+    $PY - "$1" <<'EOF'
+import sys
+peak = {}
+for line in open(sys.argv[1]):
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) == 2 and parts[1].isdigit():
+        peak[parts[0]] = max(peak.get(parts[0], 0), int(parts[1]))
+print("nvidia-smi peak memory.used per GPU: " + ", ".join(f"GPU{i} {m / 1024:.1f} GiB" for i, m in sorted(peak.items())))
+EOF
+}
+steps() {  # per-step numbers of a run's log.jsonl
+    $PY - "$1" <<'EOF'
+import json, statistics, sys
+recs = [json.loads(l) for l in open(sys.argv[1])]
+tr = [r for r in recs if "gen_s" in r]
+for r in tr:
+    print(f"step {r['step']}: gen {r['gen_s']:.2f}s update {r['update_s']:.2f}s tok/s {r['tokens_per_s']:.0f} "
+          f"peak {r['peak_gib']:.1f} GiB (rank 0) len {r['completion_len_mean']:.0f} loss {r['loss']:.4f}")
+late = tr[2:] or tr[1:] or tr  # step 1 compiles (Triton, CUDA graphs)
+print(f"mean over steps {late[0]['step']}..{late[-1]['step']}: gen {statistics.fmean(r['gen_s'] for r in late):.2f}s "
+      f"update {statistics.fmean(r['update_s'] for r in late):.2f}s "
+      f"step {statistics.fmean(r['gen_s'] + r['update_s'] for r in late):.2f}s")
+print("held-out greedy accuracy by step:", [(r["step"], r["eval_accuracy"]) for r in recs if "eval_accuracy" in r])
+EOF
+}
+
+case "$what" in
+7b)
+    D=/tmp/nanogrpo_q7b
+    if [ ! -f "$D/config.json" ]; then  # built on GPU 0 in bf16 and saved (~15 GB); a character tokenizer padded to V
+        $PY - "$D" <<'EOF'
+import sys, time
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+d, V = sys.argv[1], 152064
+specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+vocab = {t: i for i, t in enumerate(specials + [chr(i) for i in range(32, 127)] + ["\n"])}
+vocab.update({f"<t{i}>": i for i in range(len(vocab), V)})
+tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+tk.decoder = decoders.Fuse()
+tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|im_end|>",
+                              additional_special_tokens=["<|im_start|>"])
+tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+cfg = Qwen2Config(vocab_size=V, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                  num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=False,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+t0 = time.time()
+torch.manual_seed(0)
+torch.set_default_dtype(torch.bfloat16)
+with torch.device("cuda"):
+    m = Qwen2ForCausalLM(cfg)
+print(f"{sum(p.numel() for p in m.parameters()) / 1e9:.2f} B parameters ({time.time() - t0:.0f} s)", flush=True)
+m.save_pretrained(d)
+tok.save_pretrained(d)
+print(f"saved {d} in {time.time() - t0:.0f} s", flush=True)
+EOF
+    fi
+    cat > /tmp/nanogrpo_bench_run.py <<'EOF'
+import os, sys
+sys.path.insert(0, os.getcwd())
+import grpo
+if os.environ.get("BENCH_SAVE") != "1":  # the benchmark measures steps, not a ~90 GB checkpoint write
+    grpo.save_checkpoint = lambda *args, **kwargs: None
+grpo.train(sys.argv[1:])
+EOF
+    OUT=/tmp/nanogrpo_out7b
+    smi_start /tmp/nanogrpo_smi7b.csv
+    t0=$(date +%s)
+    $TORCHRUN --nproc_per_node="$NPROC" /tmp/nanogrpo_bench_run.py --model="$D" --prompts_per_step=16 --group_size=8 \
+        --max_completion_len=512 --temperature=1.0 --gradient_checkpointing=True --micro_batch_tokens=16384 \
+        --eval_every=0 --eval_size=4 --max_steps=4 --max_minutes=0 --lr=1e-6 --out_dir="$OUT" --overwrite=True "$@"
+    echo "wall $(( $(date +%s) - t0 )) s (incl. loading)"
+    smi_stop /tmp/nanogrpo_smi7b.csv
+    steps "$OUT/log.jsonl"
+    ;;
+smollm2)
+    n=${1:-1}
+    shift || true
+    OUT=/tmp/nanogrpo_out_smollm2_${n}gpu
+    smi_start "/tmp/nanogrpo_smi_smollm2_${n}.csv"
+    if [ "$n" = 1 ]; then
+        $PY grpo.py --out_dir="$OUT" --overwrite=True "$@"
+    else
+        $TORCHRUN --nproc_per_node="$n" grpo.py --out_dir="$OUT" --overwrite=True "$@"
+    fi
+    smi_stop "/tmp/nanogrpo_smi_smollm2_${n}.csv"
+    steps "$OUT/log.jsonl"
+    ;;
+summary)
+    for f in /tmp/nanogrpo_out_smollm2_*gpu/log.jsonl; do echo "== $f"; steps "$f"; done
+    ;;
+*)
+    echo "usage: bash bench_fsdp.sh 7b|smollm2 N|summary [--key=value ...]" >&2
+    exit 2
+    ;;
+esac
