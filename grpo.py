@@ -44,12 +44,11 @@ reward = ""  # "" = the task's own; else comma-separated task | module:function 
 reward_weights = ""  # one weight per --reward, comma-separated ("" = all 1); each reward is logged as reward/NAME
 soft_punish_cache = 0  # DAPO soft overlong penalty over the last this-many tokens before max_completion_len (0 = off)
 overlong_penalty_factor = 1.0  # the penalty at max_completion_len is -overlong_penalty_factor
-dynamic_sampling = True  # DAPO: drop groups whose rewards are all equal, sample more prompts to refill the step
-# (on by default: without it the default run stalls at ~0.75 held-out from step ~40, every group's answers equal)
+dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal, sample more prompts to refill the step
 max_sampling_tries = 4  # dynamic sampling: at most this many draws of prompts_per_step prompts per step
 difficulty = 1  # arithmetic: digits per operand; countdown: how many numbers (difficulty + 1)
-max_steps = 300  # generation batches (each followed by num_iterations * steps_per_generation optimizer steps)
-max_minutes = 5.0  # stop the loop after this much wall time (0 = no limit); the final eval + save come after
+max_steps = 100  # generation batches (each followed by num_iterations * steps_per_generation optimizer steps)
+max_minutes = 7.0  # stop the loop after this much wall time (0 = no limit); the final eval + save come after
 prompts_per_step = 32
 group_size = 8
 max_prompt_len = 256

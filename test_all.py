@@ -1315,8 +1315,7 @@ def _quiet_train(args):
         return grpo.train(args)
 
 
-def _train_args(out, steps, *extra):  # (dynamic sampling off unless asked: a random tiny model's groups are uniform)
-    extra = extra if any(e.startswith("--dynamic_sampling=") for e in extra) else ("--dynamic_sampling=False", *extra)
+def _train_args(out, steps, *extra):
     return [f"--model={_tiny_model_dir()}", "--task=arithmetic", f"--max_steps={steps}", "--prompts_per_step=2",
             "--group_size=4", "--max_completion_len=8", "--device=cpu", "--dtype=float32", f"--out_dir={out}",
             "--eval_size=4", *extra]
@@ -1560,7 +1559,7 @@ def test_grpo_dynamic_sampling_refills_informative_groups():
         args = ("--temperature=2.0", "--eval_every=0", "--prompts_per_step=4", "--max_completion_len=6")
         on = _quiet_train(_train_args(tempfile.mkdtemp(), 2, *args, "--dynamic_sampling=True",
                                       "--max_sampling_tries=6")).records[1:]
-        off = _quiet_train(_train_args(tempfile.mkdtemp(), 2, *args, "--dynamic_sampling=False")).records[1:]
+        off = _quiet_train(_train_args(tempfile.mkdtemp(), 2, *args)).records[1:]
     finally:
         grpo.TASKS["arithmetic"] = (prompts, reward)
     assert all(r["sampling_tries"] == 1 and r["extra_rollouts"] == 0 for r in off)
