@@ -1,7 +1,7 @@
 """
 Rollouts: G completions per prompt, sampled at reasoning lengths near the memory-bandwidth limit.
 
-A decode step of B*G rows must read every weight once plus every live row's K/V. Two things decide how close we get:
+A decode step of B*G rows must read every weight once plus every live row's K/V. Three things decide how close we get:
 
 1. Attention reads only what exists, once. Each prompt is prefilled once and its K/V stay as they are, (B, kvh, P, D),
    shared by its G rows; each row's own tokens go into a completion cache (B*G, kvh, T, D). One Triton kernel per
@@ -13,18 +13,22 @@ A decode step of B*G rows must read every weight once plus every live row's K/V.
    host reads which rows are done; when the live ones fit a bucket of half the slots or fewer (powers of two), they
    are compacted into a smaller batch with its own captured graph. Finished rows never run attention (the kernel
    skips them), and after a compaction they skip the matmuls too. No K/V is copied: only the slot -> row map moves.
+3. Few GEMMs. At decode, M = live rows (8-128), and a cuBLAS GEMM costs 4-7 us whatever its size, so the count of
+   GEMMs matters more than their bytes: decode_forward runs the model's own modules (embedding, RoPE, norms,
+   o_proj, activation, down_proj, LM head) but q|k|v as one GEMM and gate|up as another, on weights concatenated
+   once per call (FUSE; 7 GEMMs a layer become 4).
 
 Each decode step (model forward, sampling, bookkeeping) is one CUDA graph replay; the host only checks "done" every
 CHECK_EVERY steps. Sampling needs no host sync: the inverse CDF, min{k : sum_{j<=k} p_j > u}, in two Triton
 kernels that read the logits about once (temperature only), or the exponential race argmax_k p_k / E_k,
 E_k ~ Exp(1), in torch ops behind HF's top-k/top-p warpers; both draw k with probability p_k (torch.multinomial
-would sync). On CUDA, for
-rollouts of COMPILE_MIN_TOKENS or more, the forward is torch.compile'd, which fuses the ~30 small elementwise
-kernels a layer runs in eager mode (RMSNorm, RoPE, SiLU, residuals) into a handful.
+would sync). On CUDA, for rollouts of COMPILE_MIN_TOKENS or more, the forward is torch.compile'd, which fuses the
+~30 small elementwise kernels a layer runs in eager mode (RMSNorm, RoPE, SiLU, residuals) into a handful.
 
-The model runs as transformers builds it; only its attention function changes for the decode step (registered as
-"nanogrpo_decode" and switched in for the step), so any llama/qwen2/qwen3-style checkpoint works, and other models
-(sliding window, other attention) fall back to model.generate with the same outputs.
+The model keeps its transformers modules; the decode attention is registered as "nanogrpo_decode" (the model's own
+forward runs on it when FUSE is off or the layers are not llama/qwen2/qwen3-shaped), so any llama/qwen2/qwen3-style
+checkpoint works, and other models (sliding window, other attention) fall back to model.generate with the same
+outputs.
 
     generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
                     top_k=0, eos_token_id=None, pad_token_id=None) -> (completion_ids, completion_mask) (B*G, C)
