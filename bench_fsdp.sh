@@ -86,9 +86,9 @@ EOF
     cat > /tmp/nanogrpo_bench_run.py <<'EOF'
 import os, sys
 sys.path.insert(0, os.getcwd())
-import grpo
+import checkpoint, grpo
 if os.environ.get("BENCH_SAVE") != "1":  # the benchmark measures steps, not a ~90 GB checkpoint write
-    grpo.save_checkpoint = lambda *args, **kwargs: None
+    checkpoint.save_checkpoint = lambda *args, **kwargs: None  # (grpo calls checkpoint.save_checkpoint)
 grpo.train(sys.argv[1:])
 EOF
     OUT=/tmp/nanogrpo_out7b

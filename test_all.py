@@ -1799,7 +1799,7 @@ def test_grpo_checkpoint_recovers_from_every_kill_point():
     ("Directory not empty": ckpt/ and ckpt.old/ both complete) saves and finishes"""
     import shutil
     import tempfile
-    import grpo
+    import checkpoint
 
     def make(out, name, tag, complete=True):
         os.makedirs(os.path.join(out, name))
@@ -1824,7 +1824,7 @@ def test_grpo_checkpoint_recovers_from_every_kill_point():
         out = tempfile.mkdtemp()
         for d in dirs:
             make(out, *d)
-        got = grpo.recover_checkpoint(out)
+        got = checkpoint.recover_checkpoint(out)
         left = sorted(os.listdir(out))
         assert left == ([] if want is None else ["ckpt"]), (dirs, left)
         if want is not None:
@@ -1850,7 +1850,7 @@ def test_grpo_resume_log_and_config_rules():
     import json
     import shutil
     import tempfile
-    import grpo
+    import checkpoint
     out = _run_dir(1)
     log_path = os.path.join(out, "log.jsonl")
     with open(log_path, "a") as f:
@@ -1860,7 +1860,7 @@ def test_grpo_resume_log_and_config_rules():
     assert "dropping its cut last line" in log and "resume: --lr changed from 1e-05 to 2e-05" in log, log[-1500:]
     assert [json.loads(l)["step"] for l in open(log_path)] == [0, 1, 2]
     before = open(log_path).read()  # a kill in the middle of the rewrite (here: a record that cannot be written)
-    assert_raises(TypeError, lambda: grpo.write_log(log_path, [{"step": 0}, {"step": object()}]), "JSON")
+    assert_raises(TypeError, lambda: checkpoint.write_log(log_path, [{"step": 0}, {"step": object()}]), "JSON")
     assert open(log_path).read() == before, "the log was changed by a rewrite that did not finish"
     other = tempfile.mkdtemp()
     for f in os.listdir(_tiny_model_dir()):
@@ -1888,7 +1888,7 @@ def test_grpo_out_dir_never_overwritten_and_locked():
     import json
     import socket
     import subprocess
-    import grpo
+    import checkpoint
     out = _run_dir(1)
     before = {f: os.path.getmtime(os.path.join(out, f)) for f in ("log.jsonl", "ckpt")}
     res, _ = _train_output(_train_args(out, 1))
@@ -1910,7 +1910,7 @@ def test_grpo_out_dir_never_overwritten_and_locked():
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])
     while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
         time.sleep(0.01)  # exited, not reaped: what a killed run is in a container without an init
-    assert not grpo.pid_alive(zombie.pid)
+    assert not checkpoint.pid_alive(zombie.pid)
     zombie.wait()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # its pid is gone now

@@ -1,0 +1,266 @@
+"""
+out_dir and checkpoints: what a run leaves on disk, and how a killed run is resumed from it.
+
+    out_dir/LOCK          {"pid", "host"} of the run that holds out_dir: a second run is refused (take_lock)
+    out_dir/log.jsonl     one JSON record a step (grpo appends; read_log / write_log cut it back to the checkpoint)
+    out_dir/curves.png
+    out_dir/ckpt/         an HF directory (safetensors + tokenizer: from_pretrained loads it as it is) plus
+                          trainer_state.pt (step, optimizer, every rank's RNG, world size, config); under FSDP2 the
+                          optimizer is one optimizer_rank{r}.pt a rank (its shard of AdamW's moments) instead
+
+An earlier run in out_dir is never replaced silently: --resume=True continues it, --overwrite=True removes it first.
+Every write is atomic, because a run can be killed at any point (max_minutes is not the only way out: OOM, Ctrl-C, a
+lost machine) and --resume must then find something it can trust. A checkpoint is written to ckpt.tmp and swapped
+in by renames; trainer_state.pt is written last, itself through a rename, so a directory holding it is complete. The
+log is rewritten whole through log.jsonl.tmp. What a kill can leave, and what takes it back to a plain state:
+ckpt.tmp (partial or complete) and ckpt.old beside or instead of ckpt/ (recover_checkpoint: one ckpt/, the newest
+complete save), a cut last log line (read_log drops it with a notice), a dead run's LOCK (take_lock takes it over
+on the same host). A file cut some other way is named when it fails to load (loaded). Resume refuses a change of
+what defines the run (STRUCTURAL) and takes the rest with a notice.
+
+grpo.py calls in here; this file imports batching (rank, all_ranks, fsdp_modules) and never grpo.
+"""
+import glob
+import json
+import os
+import random
+import shutil
+
+import torch
+
+from batching import rank
+
+RUN_FILES = ("log.jsonl", "log.jsonl.tmp", "curves.png", "ckpt", "ckpt.tmp", "ckpt.old")  # a run's files (but LOCK)
+# resume refuses a change of these (they define the run: its weights' lineage, data, held-out set, shapes); it
+# takes the rest (lr, max_steps, loss_type, ...) with a printed notice
+STRUCTURAL = ("model", "task", "eval_file", "difficulty", "eval_size", "seed", "group_size", "max_prompt_len",
+              "max_completion_len", "dtype")
+
+
+def take_lock(out_dir):
+    """create out_dir/LOCK (pid, host) atomically; a live run's lock is refused, a dead one's (same host, pid gone)
+    taken over. Returns the lock's path."""
+    import socket
+    path, me = os.path.join(out_dir, "LOCK"), {"pid": os.getpid(), "host": socket.gethostname()}
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    held = json.load(f)
+                pid, host = int(held["pid"]), held["host"]
+            except (OSError, ValueError, KeyError, TypeError):  # (killed between creating and writing it)
+                pid, host = None, me["host"]
+            if host != me["host"]:
+                raise ValueError(f"{out_dir} is in use by pid {pid} on {host} ({path}); if that run is gone, delete "
+                                 f"{path}") from None
+            if pid is not None and pid_alive(pid):
+                raise ValueError(f"{out_dir} is in use by a live run (pid {pid}, {path}): wait for it, or pick "
+                                 f"another --out_dir") from None
+            print(f"taking over {path}: the run that held it (pid {pid}) is gone")
+            os.remove(path)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return path
+    raise ValueError(f"{path}: another run took the lock first")
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    try:  # a killed run nobody reaped (a container without an init) is a zombie: dead, though kill(pid, 0) works
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def prepare_out_dir(cfg):
+    """under the lock: refuse to replace an earlier run unless --overwrite=True (then remove its files); on resume,
+    bring the checkpoint into a plain state. Returns the checkpoint to resume from, or None."""
+    earlier = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
+    if cfg.overwrite:
+        for f in earlier:
+            p = os.path.join(cfg.out_dir, f)
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+        if earlier:
+            print(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} in {cfg.out_dir}")
+        return None
+    if not cfg.resume:
+        if earlier:
+            raise ValueError(f"{cfg.out_dir} holds an earlier run ({', '.join(earlier)}): pass --resume=True to "
+                             f"continue it, --overwrite=True to replace it, or another --out_dir")
+        return None
+    ckpt = recover_checkpoint(cfg.out_dir)
+    if ckpt is None:  # (check_config refused an out_dir that does not exist)
+        print(f"--resume=True: no checkpoint in {cfg.out_dir} yet (killed before its first save?): starting at step 0")
+    return ckpt
+
+
+def recover_checkpoint(out_dir):
+    """the newest complete checkpoint as out_dir/ckpt, with ckpt.tmp and ckpt.old gone; None if there is none.
+    A kill anywhere in save_checkpoint (or in here) leaves one of: tmp partial (ckpt as before); tmp complete and
+    ckpt complete (killed before the swap); tmp complete, ckpt gone, old complete (between the two renames); ckpt
+    complete, old left over (before its removal: this wedged every later save with "Directory not empty"). Only
+    renames move a complete directory; rmtree only ever removes an incomplete one or one a complete ckpt replaces."""
+    final = os.path.join(out_dir, "ckpt")
+    tmp, old = final + ".tmp", final + ".old"
+    done = lambda d: os.path.isfile(os.path.join(d, "trainer_state.pt"))  # noqa: E731
+    if done(tmp):  # a finished save that did not get swapped in: it is the newest
+        if done(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        elif os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    elif done(old) and not done(final):  # (only by hand: a save never leaves this) fall back to the older one
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(old, final)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return final if done(final) else None
+
+
+def save_checkpoint(cfg, model, master, tokenizer, optimizer, step, rank0_value):
+    """every rank calls it (its RNG state goes in); rank 0 writes the HF directory. A replica's optimizer is rank 0's;
+    under FSDP2 the full float32 weights are gathered to rank 0's CPU, and each rank writes its own optimizer shard
+    (optimizer_rank{r}.pt) into ckpt.tmp before rank 0 writes trainer_state.pt and swaps the directory in.
+    rank0_value is grpo's (rank 0's value on every rank); here it is a barrier: the ranks wait for rank 0"""
+    from batching import all_ranks, fsdp_modules
+    rng = dict(torch=torch.get_rng_state(), python=random.getstate(),
+               cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    rngs = all_ranks(rng)
+    sharded = bool(fsdp_modules(model))
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}  # (a tied one once)
+        weights = {k: v for k, v in weights.items() if k in names}
+    final = os.path.join(cfg.out_dir, "ckpt")
+    tmp, old = final + ".tmp", final + ".old"
+    if rank() == 0:
+        recover_checkpoint(cfg.out_dir)  # no ckpt.tmp or ckpt.old left in the way (a leftover ckpt.old wedged saves)
+        if sharded:  # the float32 shards are the weights (the masters of a bf16 run)
+            model.save_pretrained(tmp, state_dict=weights)
+        elif master is not None:  # the float32 masters are the weights; the bf16 model is their rounding
+            model.save_pretrained(tmp, state_dict={n: m for (n, _), m in zip(model.named_parameters(), master)})
+        else:
+            model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    if sharded:
+        rank0_value(None)  # tmp exists (and no leftover is removed from under the other ranks' files)
+        torch.save(local_optimizer_state(optimizer), os.path.join(tmp, f"optimizer_rank{rank()}.pt"))
+        rank0_value(None)  # every shard written
+    if rank() != 0:
+        return
+    state = os.path.join(tmp, "trainer_state.pt")
+    torch.save(dict(step=step, optimizer=None if sharded else optimizer.state_dict(), rng=rng, rng_ranks=rngs,
+                    world_size=len(rngs), config=vars(cfg)), state + ".part")
+    os.replace(state + ".part", state)  # tmp is complete from here on
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def local_optimizer_state(optimizer):
+    """the optimizer's state_dict with each DTensor (FSDP2: this rank's shard of a moment) as its local tensor"""
+    sd = optimizer.state_dict()
+    local = lambda v: v.to_local() if hasattr(v, "to_local") else v  # noqa: E731
+    return dict(sd, state={i: {k: local(v) for k, v in s.items()} for i, s in sd["state"].items()})
+
+
+def load_local_optimizer_state(optimizer, sd):
+    """local_optimizer_state's inverse: each moment back into a DTensor shaped and placed like its parameter"""
+    from torch.distributed.tensor import DTensor
+    optimizer.load_state_dict(sd)
+    for p, s in optimizer.state.items():
+        for k, v in s.items():
+            if isinstance(p, DTensor) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
+                s[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                          stride=p.stride())
+
+
+def loaded(what, path, load):
+    """load(), or a ValueError naming the file that does not parse (a cut safetensors or tokenizer.json otherwise
+    surfaces as a bare parser error, with no file name)"""
+    try:
+        return load()
+    except Exception as e:  # noqa: BLE001 - re-raised with the file's name
+        why = f"{type(e).__name__}: {e}"
+        for f in sorted(glob.glob(os.path.join(path, "*.json")) + glob.glob(os.path.join(path, "*.safetensors"))):
+            try:
+                if f.endswith(".json"):
+                    with open(f) as fh:
+                        json.load(fh)
+                else:
+                    from safetensors import safe_open
+                    safe_open(f, "pt").keys()  # reads the header only
+            except Exception as e2:  # noqa: BLE001
+                why = f"{f} is corrupt ({type(e2).__name__}: {e2})"
+                break
+        raise ValueError(f"could not load the {what} from {path}: {why}") from e
+
+def read_trainer_state(ckpt):
+    path = os.path.join(ckpt, "trainer_state.pt")
+    return loaded("trainer state", path, lambda: torch.load(path, weights_only=False))
+
+
+def check_resume_config(saved, cfg):
+    """refuse a STRUCTURAL change against the checkpoint's config (naming each key and both values); print the rest"""
+    def norm(k, v):  # the same local model directory, however it is written
+        return os.path.realpath(os.path.expanduser(v)) if k == "model" and os.path.isdir(os.path.expanduser(v)) else v
+    changed = {k: (saved[k], v) for k, v in vars(cfg).items()
+               if k in saved and k not in ("out_dir", "resume", "overwrite") and norm(k, saved[k]) != norm(k, v)}
+    bad = [f"--{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items() if k in STRUCTURAL]
+    if bad:
+        raise ValueError(f"--resume=True would continue the run in {cfg.out_dir} as another run: {'; '.join(bad)}. "
+                         f"Keep these as they were, or start a new run (another --out_dir, or --overwrite=True)")
+    for k, (a, b) in changed.items():
+        print(f"resume: --{k} changed from {a!r} to {b!r}")
+
+
+def restore_trainer_state(state, optimizer, r=0, ckpt=None):
+    if state["optimizer"] is None:  # FSDP2: this rank's shard (run() checked that the same N wrote it)
+        path = os.path.join(ckpt, f"optimizer_rank{r}.pt")
+        load_local_optimizer_state(optimizer, loaded("optimizer shard", path, lambda: torch.load(path)))
+    else:
+        optimizer.load_state_dict(state["optimizer"])
+    rng = state["rng_ranks"][r] if "rng_ranks" in state else state["rng"]  # this rank's own stream
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return state["step"]
+
+
+def read_log(path, step):
+    """log.jsonl's records up to `step` (the checkpoint's; later ones are redone). A cut last line (killed while
+    appending) is dropped with a notice; a bad line before it is an error naming it."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = [line for line in f.read().split("\n") if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path} line {i + 1} is not JSON ({e}): fix or remove that line") from None
+            print(f"{path}: dropping its cut last line ({len(line)} characters; killed while writing it)")
+    return [r for r in records if r["step"] <= step]
+
+
+def write_log(path, records):
+    """all of log.jsonl at once, through a rename: a kill mid-write leaves the old file, never an empty one"""
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(path + ".tmp", path)
+
