@@ -980,6 +980,31 @@ def _dist_grads_and_step(model, buf, rewards, cfg, out):
     torch.save(dict(grads=grads, weights=[full(p.detach()).clone() for p in model.parameters()], stats=stats), out)
 
 
+
+@check
+def test_grpo_bf16_policy_keeps_rope_float32():
+    """a bf16 run's policy (make_optimizer) and reference model (cast_parameters) are what transformers'
+    from_pretrained(dtype=bfloat16) builds: bf16 weights, RoPE's inv_freq still float32, so the same logits at
+    positions up to 200 (model.to(bfloat16) rounded inv_freq: the rotary angles drift with the position);
+    the optimizer holds float32 masters"""
+    import grpo
+    from transformers import AutoModelForCausalLM
+    path = _tiny_model_dir()
+    cfg = grpo.parse_config(["--device=cpu", "--dtype=bfloat16"])
+    policy = grpo.load_model(path, torch.device("cpu"))
+    _, master = grpo.make_optimizer(policy, cfg, torch.bfloat16)
+    ref = grpo.cast_parameters(grpo.load_model(path, torch.device("cpu")), torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    ids = torch.randint(3, hf.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(ids).logits
+        for name, model in (("policy", policy), ("reference", ref)):
+            inv_freq = model.model.rotary_emb.inv_freq
+            assert inv_freq.dtype == torch.float32, f"{name}: inv_freq {inv_freq.dtype}"
+            assert all(p.dtype == torch.bfloat16 for p in model.parameters()), f"{name}: a parameter not bf16"
+            assert torch.equal(model(ids).logits, want), f"{name}: logits differ from from_pretrained(bfloat16)"
+    assert all(m.dtype == torch.float32 for m in master), "masters not float32"
+
 def _dist_worker(rank, world, port, tmp, model_dir):
     """one rank of test_batching_two_ranks_sum_to_one_process (torch.multiprocessing.spawn, gloo)"""
     import datetime
