@@ -451,6 +451,15 @@ def global_stats(totals, dev):
     return out
 
 
+def rank0_value(x):
+    """rank 0's x on every rank (the others wait here until rank 0 has it); x in one process"""
+    if not distributed():
+        return x
+    box = [x]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def all_ranks(x):
     """[x of rank 0, x of rank 1, ...] for a picklable x; [x] in one process"""
     if not distributed():

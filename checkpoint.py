@@ -127,12 +127,12 @@ def recover_checkpoint(out_dir):
     return final if done(final) else None
 
 
-def save_checkpoint(cfg, model, master, tokenizer, optimizer, step, rank0_value):
+def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
     """every rank calls it (its RNG state goes in); rank 0 writes the HF directory. A replica's optimizer is rank 0's;
     under FSDP2 the full float32 weights are gathered to rank 0's CPU, and each rank writes its own optimizer shard
-    (optimizer_rank{r}.pt) into ckpt.tmp before rank 0 writes trainer_state.pt and swaps the directory in.
-    rank0_value is grpo's (rank 0's value on every rank); here it is a barrier: the ranks wait for rank 0"""
-    from batching import all_ranks, fsdp_modules
+    (optimizer_rank{r}.pt) into ckpt.tmp before rank 0 writes trainer_state.pt and swaps the directory in
+    (batching.rank0_value, rank 0's value on every rank, is the barrier: the ranks wait for rank 0)"""
+    from batching import all_ranks, fsdp_modules, rank0_value
     rng = dict(torch=torch.get_rng_state(), python=random.getstate(),
                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     rngs = all_ranks(rng)

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 import checkpoint
-from batching import IMPORTANCE_SAMPLING_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS, rank, world_size
+from batching import IMPORTANCE_SAMPLING_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS, rank, rank0_value, world_size
 from tasks import (MAX_DIFFICULTY, TASKS, check_task, check_training_pool, load_task, make_reward,  # noqa: F401
                    overlong_penalty, parse_weights, reward_names, train_prompts)  # (grpo.TASKS: tasks' own table)
 
@@ -315,15 +315,6 @@ def world_size_errors(cfg, world):
         errors.append(f"--scale_rewards=batch: the batch std is not gathered across processes yet (WORLD_SIZE="
                       f"{world}): use group or none, or one process")
     return errors
-
-
-def rank0_value(x):
-    """rank 0's x on every rank (the others wait here until rank 0 has it); x in one process"""
-    if world_size() == 1:
-        return x
-    box = [x]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -668,7 +659,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         pbar.set_postfix(reward=f"{rec['reward_mean']:.3f}", acc=f"{rec['accuracy']:.2f}")
         tqdm.write(format_record(rec))
         if (cfg.save_every > 0 and step % cfg.save_every == 0) or last:
-            checkpoint.save_checkpoint(cfg, policy, master, tokenizer, optimizer, step, rank0_value)
+            checkpoint.save_checkpoint(cfg, policy, master, tokenizer, optimizer, step)
         if out_of_time:
             tqdm.write(f"max_minutes={cfg.max_minutes} reached after step {step}")
             break
