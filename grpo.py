@@ -87,6 +87,7 @@ seed = 1337
 eval_every = 10
 eval_size = 100
 eval_pass_k = 0  # also sample this many completions per held-out prompt at eval_temperature: pass@k (0 = off)
+eval_samples = 4  # at each eval, log.jsonl keeps this many held-out greedy completions (question, answer, reward)
 eval_temperature = 1.0
 save_every = 50
 out_dir = "out"  # log.jsonl, ckpt/, curves.png, LOCK; an earlier run there is never replaced silently
@@ -152,7 +153,7 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
                                               "num_iterations", "micro_batch_tokens", "eval_size", "difficulty",
                                               "steps_per_generation", "max_sampling_tries")},
     **{k: (lambda v: v >= 0, ">= 0") for k in ("warmup_steps", "eval_every", "save_every", "eval_pass_k",
-                                              "soft_punish_cache")},
+                                              "soft_punish_cache", "eval_samples")},
 }
 FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite", "mask_truncated_completions",
              "kv_reuse", "gradient_checkpointing", "task", "eval_file", "reward", "reward_weights",
@@ -448,10 +449,13 @@ def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
     """held-out greedy accuracy and format rate (temperature 0, one completion per prompt); with eval_pass_k = k > 0
     also pass@k: the fraction of prompts with at least one correct answer among k samples at eval_temperature
     (n = k samples, so the estimator 1 - C(n-c, k)/C(n, k) of Chen et al. is just "any correct"). Under torchrun
-    every rank calls it on its own share of the prompts and the counts are summed. Returns a dict."""
+    every rank calls it on its own share of the prompts and the counts are summed. Returns a dict; eval_samples:
+    the first cfg.eval_samples greedy completions (rank 0's), what the numbers alone do not show (e.g. which
+    questions are never answered right, and how they are answered)."""
     from batching import all_ranks, rollout
     model.eval()
     correct = fmt = passed = 0
+    samples = []
     k = cfg.eval_pass_k
     batch = max(1, batch // max(k, 1))  # prompts per chunk: k samples each
     mine = eval_set[rank()::world_size()]  # (all of it in one process)
@@ -466,12 +470,17 @@ def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
             if n == 1 and temp == 0.0:
                 correct += sum(ok for _, ok, _ in scored)
                 fmt += sum(r > 0 for r, _, _ in scored)
+                samples += [dict(question=q, answer=a if isinstance(a, (int, float, str)) else str(a), completion=text,
+                                 reward=round(float(r), 4), correct=bool(ok))
+                            for (q, a), text, (r, ok, _) in zip(chunk, texts, scored)][:cfg.eval_samples - len(samples)]
             else:
                 passed += sum(any(ok for _, ok, _ in scored[j:j + n]) for j in range(0, len(scored), n))
     correct, fmt, passed = (sum(x) for x in zip(*all_ranks((correct, fmt, passed))))
     out = dict(eval_accuracy=correct / len(eval_set), eval_format=fmt / len(eval_set))
     if k:
         out["eval_pass_k"] = passed / len(eval_set)
+    if cfg.eval_samples:
+        out["eval_samples"] = samples
     return out
 
 

@@ -1369,6 +1369,13 @@ def test_grpo_cli_two_steps_log_checkpoint_and_resume():
         assert 0 <= r["sampling_logp_diff"] <= r["sampling_logp_diff_max"] < 1e-3, r
     for f in ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt"):
         assert os.path.exists(os.path.join(out, "ckpt", f)), f"missing ckpt/{f}"
+    make_prompts, reward_fn, eval_set = grpo.load_task("arithmetic", 1, 100, "")  # (the default held-out set)
+    for r in (recs[0], recs[2]):  # the evals' first greedy completions, each scored as the accuracy counts it
+        got = r["eval_samples"]
+        assert [(x["question"], x["answer"]) for x in got] == [tuple(e) for e in eval_set[:4]], got
+        for x in got:
+            reward, correct, _ = grpo.make_reward(reward_fn, "", "")[0](x["completion"], x["answer"])  # (tasks')
+            assert (x["reward"], x["correct"]) == (round(reward, 4), correct), x
     res = _quiet_train(_train_args(out, 3, "--eval_size=100", "--resume=True"))
     assert [r["step"] for r in res.records] == [0, 1, 2, 3], [r["step"] for r in res.records]
 
@@ -1790,6 +1797,7 @@ def test_grpo_torchrun_two_steps_logged_once():
     assert [r["step"] for r in recs] == [0, 1, 2], recs
     assert all(math.isfinite(r["loss"]) for r in recs[1:]), recs
     assert [recs[0]["eval_accuracy"], recs[2]["eval_accuracy"], recs[1]["accuracy"]] == [1.0, 1.0, 1.0], recs
+    assert len(recs[0]["eval_samples"]) == 2 and all(x["correct"] for x in recs[0]["eval_samples"]), recs[0]  # rank 0's
     state = torch.load(os.path.join(out, "ckpt", "trainer_state.pt"), weights_only=False)
     assert state["world_size"] == 2 and len(state["rng_ranks"]) == 2, state.keys()
     assert not torch.equal(state["rng_ranks"][0]["torch"], state["rng_ranks"][1]["torch"]), "ranks share one stream"
