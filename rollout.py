@@ -602,7 +602,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# benchmark: `python rollout.py [WORKLOAD ...]` (GPU: random-weight Qwen2.5-shaped models, bf16; CPU: a smoke run)
+# benchmark: `python rollout.py [WORKLOAD ...] [--no-hf]` (GPU: random-weight Qwen2.5-shaped models, bf16; CPU: a smoke run)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -711,7 +711,8 @@ def main(names):
     import json
     import sys
     import transformers
-    names = names or list(WORKLOADS)
+    hf_too = "--no-hf" not in names  # --no-hf: ours only (an A/B of our knobs needs no model.generate row)
+    names = [n for n in names if n != "--no-hf"] or list(WORKLOADS)
     dev_name = torch.cuda.get_device_name() if CUDA else "cpu"
     copy_bw = copy_bandwidth()
     spec_bw = next((v for k, v in SPEC_BW.items() if k in dev_name), None)
@@ -745,18 +746,18 @@ def main(names):
         byts = decode_bytes(model, torch.ones_like(prompt_ids), keep, G)
         bw = spec_bw or copy_bw
         roof = tokens / (byts / bw) if bw else None
-        hf, cut = bench_hf(model, prompt_ids, G, T, eos)
+        hf, cut = bench_hf(model, prompt_ids, G, T, eos) if hf_too else (None, False)
         r = rows[name] = dict(model=shape, B=B, G=G, P=P, T=T, eos=eos_kind, tokens=tokens, s=dt, tok_s=tokens / dt,
                               ms_per_step=dt / max(last["steps"], 1) * 1e3, decode_bytes=byts,
                               roofline_tok_s=roof, frac=roof and tokens / dt / roof,
                               frac_copy_bw=copy_bw and tokens / dt / (tokens / (byts / copy_bw)), peak_gib=peak,
-                              hf_tok_s=hf, hf_cut=cut, x_hf=tokens / dt / hf, buckets=last["buckets"],
+                              hf_tok_s=hf, hf_cut=cut, x_hf=hf and tokens / dt / hf, buckets=last["buckets"],
                               steps=last["steps"], mean_len=tokens / (B * G))
         fmt = lambda v, f: format(v, f) if v is not None else "-"
         print(f"{name:>13} {shape:>5} {B:>3} {G:>3} {P:>5} {T:>5} | {tokens:>7} {dt:>6.2f} {r['tok_s']:>8.0f} "
               f"{r['ms_per_step']:>7.2f} | {fmt(roof, '>10.0f')} {fmt(r['frac'], '>5.2f')} "
-              f"{fmt(r['frac_copy_bw'], '>7.2f')} | {peak:>8.2f} | {hf:>9.0f}{'*' if cut else ' '} "
-              f"{r['x_hf']:>5.1f}x  {last['buckets']}", flush=True)
+              f"{fmt(r['frac_copy_bw'], '>7.2f')} | {peak:>8.2f} | {fmt(hf, '>9.0f')}{'*' if cut else ' '} "
+              f"{fmt(r['x_hf'], '>5.1f')}x  {last['buckets']}", flush=True)
     if "uniform" in rows and "ragged" in rows:
         u, g = rows["uniform"], rows["ragged"]
         roof = f"{g['roofline_tok_s'] / u['roofline_tok_s']:.2f}" if u["roofline_tok_s"] else "-"
