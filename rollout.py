@@ -392,8 +392,12 @@ def fuse_projections(model):
     for decode_forward; None if the model's layers are not the llama/qwen2/qwen3 shape it assumes. At decode the
     GEMMs have M = live rows (8-128), where a cuBLAS call costs 4-7 us whatever its size: k_proj and v_proj
     (0.2 MB each at the 0.5B shape) cost as much as q_proj. One GEMM per group saves 3 of 7 per layer. A copy
-    per call (weights change every training step): + the q/k/v and MLP-input weights' bytes while sampling."""
-    cat = lambda ts: None if ts[0] is None else torch.cat(ts)
+    per call (weights change every training step): + the q/k/v and MLP-input weights' bytes while sampling.
+    Only plain nn.Linear projections are fused: a LoRA-wrapped, quantized or otherwise re-implemented one computes
+    more than x @ W^T + b, so such a model keeps its own forward (None)."""
+    plain = lambda m: isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward
+    cat_bias = lambda ps: None if all(p.bias is None for p in ps) else torch.cat(
+        [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in ps])
     fused = []
     for layer in model.model.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -401,8 +405,10 @@ def fuse_projections(model):
                 not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             return None
         qkv, gu = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
-        fused.append((cat([p.weight for p in qkv]), cat([p.bias for p in qkv]), cat([p.weight for p in gu]),
-                      cat([p.bias for p in gu])))
+        if not all(plain(p) for p in qkv + gu):
+            return None
+        fused.append((torch.cat([p.weight for p in qkv]), cat_bias(qkv), torch.cat([p.weight for p in gu]),
+                      cat_bias(gu)))
     return fused
 
 

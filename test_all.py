@@ -727,6 +727,22 @@ def test_rollout_greedy_matches_hf_generate():
                 assert lens_ref[0] <= 4, f"{name}: EOS did not end row 0 early"
         assert compacted, "no call compacted its live rows into a smaller bucket"
 
+        class Shifted(torch.nn.Linear):  # a projection that is more than x @ W^T + b (as a LoRA or quantized one is)
+            def forward(self, x):
+                return super().forward(x) + 0.5
+        rollout.FUSE = True
+        model = _kv_model("qwen2")
+        q = model.model.layers[0].self_attn.q_proj
+        shifted = Shifted(q.in_features, q.out_features).to(q.weight.device)
+        shifted.load_state_dict(q.state_dict())
+        model.model.layers[0].self_attn.q_proj = shifted
+        prompt_ids, prompt_mask, _, _ = _kv_batch(G=G, prompt_lens=(7, 2, 4), seed=3)
+        ref = _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=99999)
+        ids, _ = rollout.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=0.0, eos_token_id=99999,
+                                         pad_token_id=0)
+        assert not rollout.LAST["fused"], "a non-plain projection was fused"
+        assert [ids[r].tolist() for r in range(0, ids.shape[0], G)] == ref, "a non-plain projection's output"
+
 
 if GPU:
     @check
