@@ -10,7 +10,7 @@ gradient-accumulation micro-batch and "how many updates per sample" is its own k
     steps_per_generation = K: the groups are shuffled and cut into K disjoint mini-batches, one optimizer step each;
         num_iterations passes over the K mini-batches = num_iterations * K optimizer steps per generation (TRL)
     loss_weights (B*G, C): the loss_type normalizer of the whole MINI-batch, baked into one weight per token
-    micro_batches: whole groups under a token budget (kv_reuse forwards a group's prompt once, so a group stays together)
+    micro_batches: whole groups under a token budget (kv_reuse forwards a group's prompt once: a group stays together)
     old / ref log-probs under no_grad, micro-batch by micro-batch (old skipped when exactly on-policy)
     update_step: sum over micro-batches of sum(per_token_loss * weight) -> backward -> clip -> optimizer.step
 

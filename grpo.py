@@ -96,7 +96,8 @@ overwrite = False  # replace an earlier run in out_dir (its log.jsonl, curves.pn
 dist_timeout_minutes = 10.0  # torchrun: a collective that waits longer (a rank died or hangs) ends the job
 fsdp = True  # torchrun: FSDP2 (weights, gradients, AdamW state sharded over the ranks); False: a replica per rank
 
-CONFIG_KEYS = [k for k, v in list(globals().items()) if not k.startswith("_") and isinstance(v, (bool, int, float, str))]
+CONFIG_KEYS = [k for k, v in list(globals().items())
+               if not k.startswith("_") and isinstance(v, (bool, int, float, str))]
 
 
 def parse_config(argv):
@@ -127,8 +128,8 @@ def parse_config(argv):
 
 
 CHOICES = {"loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
-           "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "vllm_importance_sampling_mode": IS_MODES, "logprob_impl": ("auto", "fused", "chunked", "naive"),
-           "dtype": ("float32", "bfloat16")}
+           "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "vllm_importance_sampling_mode": IS_MODES,
+           "logprob_impl": ("auto", "fused", "chunked", "naive"), "dtype": ("float32", "bfloat16")}
 # (float16 would need a loss scaler, which this loop has not)
 finite = math.isfinite
 RANGES = {  # key: (is the value valid?, the valid range as an error states it)

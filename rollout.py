@@ -47,7 +47,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from kv_reuse import positions, reuse_unsupported, trim_left_padding
+from kv_reuse import positions, reuse_unsupported, sync, trim_left_padding
 
 CUDA_GRAPH = True  # on CUDA: capture each decode step (forward + sampling) as a graph and replay it per token
 CHECK_EVERY = 8  # decode steps between host reads of "which rows are done" (a sync that drains the launch queue)
@@ -443,31 +443,25 @@ def decode_forward(model, fused, tok, pos):
     return model.lm_head(trunk.norm(h))[:, -1]
 
 
-COMPILED = {}
+COMPILED = {}  # function -> its torch.compile wrapper, built once per process
 
 
-def compiled_forward(model, tok, pos):
-    """model_forward through torch.compile, once per process, with dynamic shapes: the slot count changes from
-    bucket to bucket, and the attention's graph break starts a new frame per layer whose inputs mark_dynamic would
-    not reach, so static shapes would recompile every layer's frame at every new bucket size. Without duck sizing:
-    it would tie the slot count to any model dimension of the same size at trace time (128 slots = 2 K/V heads x 64)
-    and recompile when a bucket breaks the tie (seen: 5-8 s inside a timed run)."""
+def run_compiled(fn, *args):
+    """fn(*args) (model_forward or decode_forward) through torch.compile, compiled once per process, with dynamic
+    shapes: the slot count changes from bucket to bucket, and the attention's graph break starts a new frame per
+    layer whose inputs mark_dynamic would not reach, so static shapes would recompile every layer's frame at every
+    new bucket size. Without duck sizing: it would tie the slot count to any model dimension of the same size at
+    trace time (128 slots = 2 K/V heads x 64) and recompile when a bucket breaks the tie (seen: 5-8 s inside a timed
+    run)."""
     from torch.fx.experimental import _config as fx_config  # private, but in torch 2.1 through 2.13
-    fn = COMPILED.setdefault("forward", torch.compile(model_forward, dynamic=True))
+    if fn not in COMPILED:
+        COMPILED[fn] = torch.compile(fn, dynamic=True)
     with fx_config.patch(use_duck_shape=False):
-        return fn(model, tok, pos)
-
-
-def compiled_decode_forward(model, fused, tok, pos):
-    """decode_forward through torch.compile, as compiled_forward"""
-    from torch.fx.experimental import _config as fx_config
-    fn = COMPILED.setdefault("decode", torch.compile(decode_forward, dynamic=True))
-    with fx_config.patch(use_duck_shape=False):
-        return fn(model, fused, tok, pos)
+        return COMPILED[fn](*args)
 
 
 def num_splits(n, kvh, device):
-    """key splits per (slot, K/V head): enough programs to fill the GPU about four times over"""
+    """key splits per (slot, K/V head): enough (slot, K/V head, split) programs to fill the GPU SPLIT_WAVES times"""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -550,6 +544,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                                 pos=pos[:, -1:].repeat_interleave(G, 0) + 1, done=done)  # (n,), (n, 1), (n, 1), (n,)
         kvh = layers[0][0].shape[1]
         fused = fuse_projections(model) if FUSE else None
+        forward_fn, forward_args = (decode_forward, (model, fused)) if fused is not None else (model_forward, (model,))
         LAST.clear()
         LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None)
 
@@ -559,10 +554,9 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
 
             def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)
                 with decode_step(model, st):
-                    if fused is not None:
-                        return (compiled_decode_forward if compiled else decode_forward)(model, fused, sl.tok,
-                                                                                         sl.pos)
-                    return (compiled_forward if compiled else model_forward)(model, sl.tok, sl.pos)
+                    if compiled:
+                        return run_compiled(forward_fn, *forward_args, sl.tok, sl.pos)
+                    return forward_fn(*forward_args, sl.tok, sl.pos)
 
             def step():
                 new, lp = draw(forward())  # (n,), (n,)
@@ -608,7 +602,8 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# benchmark: `python rollout.py [WORKLOAD ...] [--no-hf]` (GPU: random-weight Qwen2.5-shaped models, bf16; CPU: a smoke run)
+# benchmark: `python rollout.py [WORKLOAD ...] [--no-hf]`
+# (GPU: random-weight Qwen2.5-shaped models, bf16; CPU: a smoke run)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -670,11 +665,6 @@ def decode_bytes(model, prompt_mask, keep, G):
     own = (live * steps).sum()
     prompts = (live.view(-1, G, live.shape[1]).any(1) * prompt_mask.sum(1, keepdim=True)).sum()
     return float(live.any(0).sum()) * weights + float(own + prompts) * kv_tok
-
-
-def sync():
-    if CUDA:
-        torch.cuda.synchronize()
 
 
 def bench_ours(model, prompt_ids, G, T, eos):
