@@ -100,9 +100,10 @@ def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temp
 
 
 def select_groups(buf, idx):
-    """the buffer of the groups idx (a list of group indices), each with its G rows"""
+    """the buffer of the groups idx (group indices, a list or a tensor; any order), each with its G rows"""
     G = buf["group_size"]
-    rows = [b * G + g for b in idx for g in range(G)]
+    idx = torch.as_tensor(idx, dtype=torch.long, device=buf["prompt_ids"].device)
+    rows = (idx[:, None] * G + torch.arange(G, device=idx.device)).view(-1)  # (len(idx) * G,)
     out = dict(group_size=G, prompt_ids=buf["prompt_ids"][idx], prompt_mask=buf["prompt_mask"][idx])
     out.update({k: buf[k][rows] for k in ROW_KEYS if k in buf})
     return out
@@ -365,6 +366,12 @@ def micro_batch_loss(model, mb, cfg):
     return loss, stats
 
 
+def stat_op(key):
+    """how a logged stat combines over micro-batches, updates and ranks: *_max by max, *_min by min, the rest (sums
+    of weighted values, divided by the summed weights at the end) by sum"""
+    return "max" if key.endswith("_max") else "min" if key.endswith("_min") else "sum"
+
+
 def backward(model, buf, mbs, cfg):
     """the summed gradient of one mini-batch's micro-batches in .grad (under FSDP2: reduce-scattered over the ranks
     into the float32 shards, and the modules resharded). Returns (stats summed over the micro-batches (device
@@ -390,8 +397,8 @@ def backward(model, buf, mbs, cfg):
             continue
         loss_total = loss_total + loss.detach()
         for k, v in stats.items():
-            totals[k] = (v if k not in totals else torch.maximum(totals[k], v) if k.endswith("_max") else
-                         torch.minimum(totals[k], v) if k.endswith("_min") else totals[k] + v)
+            combine = {"max": torch.maximum, "min": torch.minimum, "sum": torch.add}[stat_op(k)]
+            totals[k] = v if k not in totals else combine(totals[k], v)
     for m in units:  # back to the float32 shards (each holds its summed gradient), which the optimizer steps
         m.reshard()
     return totals, loss_total, w_sum
@@ -431,7 +438,7 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
         [totals[k].float() for k in keys] + [loss_total.float(), w_sum, grad_norm.float().to(w_sum.device)]).tolist()
     # nan for the stats no micro-batch reported (none does when every completion was truncated and masked)
     out = dict.fromkeys(("clip_low", "clip_high", "clip_ratio", "entropy", "ratio_mean", "ratio_dev_max"), math.nan)
-    out.update({k: v if k.endswith(("_max", "_min")) else v / max(w_sum, 1e-12) for k, v in zip(keys, vals)})
+    out.update({k: v if stat_op(k) != "sum" else v / max(w_sum, 1e-12) for k, v in zip(keys, vals)})
     out["loss"], out["grad_norm"] = loss_total, grad_norm
     return out
 
@@ -441,9 +448,8 @@ def global_stats(totals, dev):
     micro-batch has no keys: it joins with the neutral value)"""
     keys = sorted({k for ks in all_ranks(sorted(totals)) for k in ks})
     out = {}
-    for op, ks, neutral in (("max", [k for k in keys if k.endswith("_max")], -math.inf),
-                            ("min", [k for k in keys if k.endswith("_min")], math.inf),
-                            ("sum", [k for k in keys if not k.endswith(("_max", "_min"))], 0.0)):
+    for op, neutral in (("max", -math.inf), ("min", math.inf), ("sum", 0.0)):
+        ks = [k for k in keys if stat_op(k) == op]
         if ks:
             v = global_sum(torch.stack([totals[k].float() if k in totals else torch.tensor(neutral, device=dev)
                                            for k in ks]), op)
@@ -469,17 +475,6 @@ def all_ranks(x):
     return out
 
 
-def shuffle_groups(buf, perm):
-    """the buffer with its groups in the order perm (B,), each group's G rows kept together"""
-    G = buf["group_size"]
-    rows = (perm[:, None] * G + torch.arange(G, device=perm.device)).view(-1)  # (B*G,)
-    for k in ("prompt_ids", "prompt_mask"):
-        buf[k] = buf[k][perm]
-    for k in ROW_KEYS:
-        if k in buf:
-            buf[k] = buf[k][rows]
-
-
 def prepare_buffer(model, ref_model, buf, rewards, cfg):
     """everything the updates need that does not change between them: advantages, the mini-batches, per-token
     weights, the entropy mask, and the old/ref log-probs under no_grad. Returns (one list of micro-batches (b0, b1)
@@ -495,7 +490,7 @@ def prepare_buffer(model, ref_model, buf, rewards, cfg):
         raise ValueError(f"{B} groups do not split into steps_per_generation={K} mini-batches")
     buf["advantages"], frac_zero_std = group_advantages(rewards, G, cfg.scale_rewards)
     if K > 1:
-        shuffle_groups(buf, torch.randperm(B).to(buf["prompt_ids"].device))
+        buf.update(select_groups(buf, torch.randperm(B)))  # the groups in a new order, each its G rows together
     loss_mask = buf["completion_mask"]
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~buf["truncated"]).long()[:, None]  # truncated rows: no gradient at all

@@ -569,7 +569,7 @@ def train(argv):
 def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     from tqdm import tqdm
 
-    from batching import all_ranks, gathered, prepare_buffer, update_step
+    from batching import all_ranks, gathered, prepare_buffer, stat_op, update_step
     r, world = rank(), world_size()
     # the other ranks wait for rank 0's recovery
     ckpt = rank0_value(checkpoint.prepare_out_dir(cfg) if r == 0 else None)
@@ -640,8 +640,8 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         policy.train()
         updates = [update_step(policy, optimizer, buf, mbs, cfg, master)
                    for _ in range(cfg.num_iterations) for mbs in steps]
-        stats = {k: (max if k.endswith("_max") else min if k.endswith("_min") else statistics.fmean)(
-            [u[k] for u in updates]) for k in updates[0]}
+        stats = {k: {"max": max, "min": min, "sum": statistics.fmean}[stat_op(k)]([u[k] for u in updates])
+                 for k in updates[0]}  # (each update's stats are already means: averaged over the updates)
         t2 = time.time()
         lens, truncated = buf["completion_mask"].sum(1).float(), buf["truncated"].float()
         n_tok = int(buf["prompt_mask"].sum()) * cfg.group_size + int(lens.sum())

@@ -705,7 +705,6 @@ def bench_hf(model, prompt_ids, G, T, eos):
 
 def main(names):
     import json
-    import sys
     import transformers
     hf_too = "--no-hf" not in names  # --no-hf: ours only (an A/B of our knobs needs no model.generate row)
     names = [n for n in names if n != "--no-hf"] or list(WORKLOADS)
@@ -766,5 +765,4 @@ def main(names):
 
 
 if __name__ == "__main__":
-    import sys
     main(sys.argv[1:])
