@@ -207,6 +207,7 @@ def loaded(what, path, load):
                 break
         raise ValueError(f"could not load the {what} from {path}: {why}") from e
 
+
 def read_trainer_state(ckpt):
     path = os.path.join(ckpt, "trainer_state.pt")
     return loaded("trainer state", path, lambda: torch.load(path, weights_only=False))

@@ -32,7 +32,7 @@ import torch
 import checkpoint
 from batching import IMPORTANCE_SAMPLING_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS, rank, rank0_value, world_size
 from tasks import (MAX_DIFFICULTY, TASKS, check_task, check_training_pool, load_task, make_reward,  # noqa: F401
-                   overlong_penalty, parse_weights, reward_names, train_prompts)  # (grpo.TASKS: tasks' own table)
+                   overlong_penalty, parse_weights, reward_names, step_seed, train_prompts)  # (grpo.TASKS: tasks')
 
 # ------------------------------------------------------------------------------------------------------------------
 # config: module globals, overridable as --key=value (type taken from the default). The defaults, on one H100:
@@ -496,9 +496,8 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
     kept, spare, draws, sampled = [], [], [], []  # kept / spare: (draw, group); sampled: (total, correct, parts, pen)
     n_flat = 0  # sampled groups whose rewards are all equal
     for t in range(cfg.max_sampling_tries if cfg.dynamic_sampling else 1):
-        # draw t of step s: a seed no other (step, draw) uses, so a resumed run draws exactly the same prompts
-        seed = cfg.seed * 100_003 + step + t * 7_919_000_003
-        batch = train_prompts(make_prompts, cfg.prompts_per_step, seed, cfg.difficulty, eval_questions)
+        batch = train_prompts(make_prompts, cfg.prompts_per_step, step_seed(cfg.seed, step, t), cfg.difficulty,
+                              eval_questions)
         batch = batch[rank() * n:(rank() + 1) * n]  # the one-process step's prompts, cut into whole groups per rank
         prompt_ids, prompt_mask = encode_prompts(tokenizer, [q for q, _ in batch], cfg.max_prompt_len, dev)
         try:
@@ -551,7 +550,7 @@ def train(argv):
         print("config:", json.dumps(vars(cfg)), f"(resolved device={dev}, logprob_impl={cfg.logprob_impl}"
               + (f", {world} processes" if world > 1 else "") + ")")
         make_prompts, reward_fn, eval_set = load_task(cfg.task, cfg.difficulty, cfg.eval_size, cfg.eval_file)
-        check_training_pool(make_prompts, cfg.seed * 100_003 + 1, cfg.difficulty, {q for q, _ in eval_set})
+        check_training_pool(make_prompts, step_seed(cfg.seed, 1), cfg.difficulty, {q for q, _ in eval_set})
         lock = None
         if r == 0:  # out_dir is rank 0's
             os.makedirs(cfg.out_dir, exist_ok=True)

@@ -236,7 +236,14 @@ MAX_DIFFICULTY = {"arithmetic": 18, "countdown": 10}
 # ------------------------------------------------------------------------------------------------------------------
 # what the trainer does with any task: the held-out split, the training prompt stream, the reward guard
 # ------------------------------------------------------------------------------------------------------------------
-EVAL_SEED = 10**9 + 7  # held-out set: a seed no training step uses (training step s uses seed * 100_003 + s)
+EVAL_SEED = 10**9 + 7  # held-out set: a seed no training step uses (see step_seed)
+
+
+def step_seed(seed, step, draw=0):
+    """the prompt seed of training step `step`'s draw `draw` (dynamic sampling draws again): one no other (step,
+    draw) and not EVAL_SEED uses, a function of the config's seed alone, so a resumed run draws what an unbroken one
+    would"""
+    return seed * 100_003 + step + draw * 7_919_000_003
 
 
 def check_task(task, eval_file=""):
