@@ -489,8 +489,12 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
     """one step's prompts -> groups of completions -> rewards (the task's rewards, weighted, plus the soft overlong
     penalty). With dynamic_sampling (DAPO) a group whose G rewards are all equal carries no gradient, so it is
     dropped and prompts_per_step more prompts are drawn, at most max_sampling_tries draws in all, until
-    prompts_per_step informative groups are there (short of that, uninformative groups fill the batch, so its size
-    never changes). Returns (buffer, rewards (B*G,), stats over EVERY sampled completion of the step)."""
+    prompts_per_step informative groups are there. Short of that the step trains on the informative groups alone,
+    as DAPO and verl do (every trained group informative): filling the batch with uniform groups instead would add
+    their tokens to the dapo/bnpo normalizers and dilute the few groups that carry signal (at 1 informative group
+    in 32, a 32x smaller gradient). Uniform groups are added only up to a whole number of steps_per_generation
+    mini-batches (at least one group). Returns (buffer, rewards (B*G,), stats over EVERY sampled completion of the
+    step; `groups` counts the trained ones)."""
     from batching import all_ranks, concat_groups, rollout, select_groups
     n, G = cfg.prompts_per_step // world_size(), cfg.group_size  # this rank's share of the step's groups
     kept, spare, draws, sampled = [], [], [], []  # kept / spare: (draw, group); sampled: (total, correct, parts, pen)
@@ -521,18 +525,22 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
         spare += [(t, b) for b in range(n) if not keep[b]]
         if len(kept) == n:
             break
-    chosen = kept + spare[:n - len(kept)]
+    K = cfg.steps_per_generation
+    chosen = kept + spare[:max(K, -(-len(kept) // K) * K) - len(kept)]  # (n when nothing was dropped)
     picks = [(d, r, idx) for t, (d, r) in enumerate(draws) if (idx := [b for tt, b in chosen if tt == t])]
-    buf = draws[0][0] if len(draws) == 1 else concat_groups([select_groups(d, idx) for d, _, idx in picks],
-                                                            tokenizer.pad_token_id)
+    if chosen == [(0, b) for b in range(n)]:  # the first draw, whole and in order
+        buf = draws[0][0]
+    else:
+        buf = concat_groups([select_groups(d, idx) for d, _, idx in picks], tokenizer.pad_token_id)
     rewards = torch.cat([r.view(n, G)[idx].view(-1) for _, r, idx in picks])  # (B*G,) in buf's order
     # every sampled completion's reward, as trained on, of every rank
-    parts = all_ranks((torch.cat([r for _, r in draws]).tolist(), sampled, n_flat, len(draws)))
+    parts = all_ranks((torch.cat([r for _, r in draws]).tolist(), sampled, n_flat, len(draws), len(chosen)))
     totals = torch.tensor(sum((p[0] for p in parts), []))
     sampled, n_flat, tries = sum((p[1] for p in parts), []), sum(p[2] for p in parts), [p[3] for p in parts]
     stats = dict(reward_mean=totals.mean().item(), reward_std=totals.std().item(),
                  accuracy=sum(s[1] for s in sampled) / len(sampled),
-                 sampling_tries=max(tries), extra_rollouts=sum(t - 1 for t in tries) * n * G,
+                 sampling_tries=max(tries), groups=sum(p[4] for p in parts),
+                 extra_rollouts=sum(t - 1 for t in tries) * n * G,
                  sampled_frac_reward_zero_std=n_flat / (n * sum(tries)))
     for i, name in enumerate(reward_names(cfg.reward)):
         stats[f"reward/{name}"] = statistics.fmean(s[2][i] for s in sampled)
@@ -696,7 +704,7 @@ def format_record(r):
          f"ent {r['entropy']:.3f} gnorm {r['grad_norm']:.3f} gen {r['gen_s']:.1f}s upd {r['update_s']:.1f}s "
          f"{r['tokens_per_s']:.0f} tok/s {r['peak_gib']:.1f}GiB")
     if r.get("extra_rollouts"):
-        s += f" resampled {r['sampling_tries']}x (+{r['extra_rollouts']} rollouts)"
+        s += f" resampled {r['sampling_tries']}x (+{r['extra_rollouts']} rollouts, {r['groups']} groups trained)"
     if r.get("reward_errors"):
         s += f" reward_errors {r['reward_errors']}"
     if "kl" in r:

@@ -1597,7 +1597,9 @@ def test_tasks_jsonl_task_end_to_end_with_plugin_rewards():
 def test_grpo_dynamic_sampling_refills_informative_groups():
     """a reward that is constant for even targets makes those groups uniform: with dynamic_sampling they are
     dropped and more prompts are sampled until the step has prompts_per_step informative groups (asserted: extra
-    rollouts logged, the trained batch has no zero-std group); without it the uniform groups are trained on"""
+    rollouts logged, the trained batch has no zero-std group); without it the uniform groups are trained on. One
+    try only (short of informative groups): the step trains on the informative groups alone, not a batch padded
+    with uniform ones (whose tokens would dilute the dapo normalizer)"""
     import tempfile
     import grpo
     prompts, reward = grpo.TASKS["arithmetic"]
@@ -1607,7 +1609,9 @@ def test_grpo_dynamic_sampling_refills_informative_groups():
         args = ("--temperature=2.0", "--eval_every=0", "--prompts_per_step=4", "--max_completion_len=6")
         on = _quiet_train(_train_args(tempfile.mkdtemp(), 2, *args, "--dynamic_sampling=True",
                                       "--max_sampling_tries=6")).records[1:]
-        off = _quiet_train(_train_args(tempfile.mkdtemp(), 2, *args)).records[1:]
+        off = _quiet_train(_train_args(tempfile.mkdtemp(), 2, *args, "--dynamic_sampling=False")).records[1:]
+        short = _quiet_train(_train_args(tempfile.mkdtemp(), 3, *args, "--dynamic_sampling=True",
+                                         "--max_sampling_tries=1")).records[1:]
     finally:
         grpo.TASKS["arithmetic"] = (prompts, reward)
     assert all(r["sampling_tries"] == 1 and r["extra_rollouts"] == 0 for r in off)
@@ -1617,6 +1621,13 @@ def test_grpo_dynamic_sampling_refills_informative_groups():
         assert r["extra_rollouts"] == (r["sampling_tries"] - 1) * 4 * 4, r
         assert r["frac_reward_zero_std"] == 0 and r["sampling_tries"] < 6, r  # refilled before the bound
         assert r["sampled_frac_reward_zero_std"] > 0 or r["sampling_tries"] == 1, r
+        assert r["groups"] == 4, r
+    assert all(r["groups"] == 4 for r in off), off
+    assert any(0 < r["sampled_frac_reward_zero_std"] < 1 for r in short), short  # some groups dropped, some kept
+    for r in short:
+        flat = round(r["sampled_frac_reward_zero_std"] * 4)  # uniform groups among the 4 sampled
+        assert r["groups"] == max(4 - flat, 1), r  # the informative ones alone (one uniform one if none is)
+        assert r["frac_reward_zero_std"] == (flat == 4), r
 
 
 @check
