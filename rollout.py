@@ -218,6 +218,26 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, **
 AttentionInterface.register("nanogrpo_decode", decode_attention)
 
 
+@torch.library.custom_op("nanogrpo::decode_attention", mutates_args=("ck", "cv"))
+def decode_attention_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pk: torch.Tensor,
+                        pv: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, done: torch.Tensor,
+                        start: torch.Tensor, slot: torch.Tensor, G: int, scale: float, impl: str) -> torch.Tensor:
+    """decode_forward's attention as a torch op: the decode state comes in as arguments (no global), and
+    torch.compile traces the whole forward as one graph with this op inside it (it knows the op writes ck/cv),
+    where a compiler-disabled function would break the graph at every layer. (n, 1, h, D), in pk's dtype."""
+    dt = pk.dtype
+    st = SimpleNamespace(rows=rows, done=done, start=start, slot=slot, G=G,
+                         splits=num_splits(rows.shape[0], pk.shape[1], q.device))
+    fn = decode_attention_triton if impl == "triton" else decode_attention_torch
+    return fn(q.to(dt), k_new.to(dt), v_new.to(dt), (pk, pv, ck, cv), st, scale).contiguous()
+
+
+@decode_attention_op.register_fake
+def _(q, k_new, v_new, pk, pv, ck, cv, rows, done, start, slot, G, scale, impl):
+    n, h, _, D = q.shape
+    return q.new_empty(n, 1, h, D, dtype=pk.dtype)
+
+
 @contextlib.contextmanager
 def decode_step(model, st):
     """inside, the model's attention is "nanogrpo_decode" on state st (HF reads config._attn_implementation at
@@ -412,34 +432,30 @@ def fuse_projections(model):
     return fused
 
 
-def decode_layer(layer, rope, w_qkv, b_qkv, w_gu, b_gu, h, cos, sin):
-    """one decoder layer of decode_forward: (n, 1, H) -> (n, 1, H). A function of its own so that torch.compile
-    sees one frame per layer (compiled around the attention's graph break, as the model's own layer forward is);
-    inline in decode_forward's loop, the break left the loop body eager (+0.2 ms a step of unfused adds)"""
-    attn, mlp = layer.self_attn, layer.mlp
-    n, D = h.shape[0], attn.head_dim
-    q, k, v = F.linear(layer.input_layernorm(h), w_qkv, b_qkv).split(
-        [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features], -1)
-    q, k, v = q.view(n, 1, -1, D), k.view(n, 1, -1, D), v.view(n, 1, -1, D)  # (n, 1, h or kvh, D)
-    if hasattr(attn, "q_norm"):  # qwen3: RMSNorm per head before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (n, h, 1, D), (n, kvh, 1, D)
-    o = decode_attention(attn, q, k, v.transpose(1, 2), None, scaling=attn.scaling)[0]  # (n, 1, h, D)
-    h = h + attn.o_proj(o.reshape(n, 1, -1))
-    gate, up = F.linear(layer.post_attention_layernorm(h), w_gu, b_gu).chunk(2, -1)  # (n, 1, I) each
-    return h + mlp.down_proj(mlp.act_fn(gate) * up)
-
-
-def decode_forward(model, fused, tok, pos):
+def decode_forward(model, fused, st, tok, pos):
     """model_forward for one decode step with fused projections: the model's own modules (embedding, RoPE,
     RMSNorms, q/k norms, o_proj, activation, down_proj, LM head) in the order its forward calls them, but
-    q|k|v = x @ W_qkv^T + b_qkv and gate|up = x @ W_gu^T + b_gu as one GEMM each. (n, V) logits"""
+    q|k|v = x @ W_qkv^T + b_qkv and gate|up = x @ W_gu^T + b_gu as one GEMM each, and the attention as the op
+    nanogrpo::decode_attention on the decode state st (caches, slot -> row map, column). (n, V) logits. Under
+    torch.compile this is one graph (no break: fullgraph=True), so norms, RoPE and residual adds fuse across layers."""
     trunk = model.model
     rope = sys.modules[type(trunk.layers[0].self_attn).__module__].apply_rotary_pos_emb
     h = trunk.embed_tokens(tok)  # (n, 1, H)
-    cos, sin = trunk.rotary_emb(h, pos)
-    for layer, weights in zip(trunk.layers, fused):
-        h = decode_layer(layer, rope, *weights, h, cos, sin)
+    n, (cos, sin) = h.shape[0], trunk.rotary_emb(h, pos)
+    for layer, (w_qkv, b_qkv, w_gu, b_gu), (pk, pv, ck, cv) in zip(trunk.layers, fused, st.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        D = attn.head_dim
+        q, k, v = F.linear(layer.input_layernorm(h), w_qkv, b_qkv).split(
+            [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features], -1)
+        q, k, v = q.view(n, 1, -1, D), k.view(n, 1, -1, D), v.view(n, 1, -1, D)  # (n, 1, h or kvh, D)
+        if hasattr(attn, "q_norm"):  # qwen3: RMSNorm per head before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (n, h, 1, D), (n, kvh, 1, D)
+        o = torch.ops.nanogrpo.decode_attention(q, k, v.transpose(1, 2), pk, pv, ck, cv, st.rows, st.done,
+                                                st.start, st.slot, st.G, attn.scaling, st.impl)  # (n, 1, h, D)
+        h = h + attn.o_proj(o.reshape(n, 1, -1).to(h.dtype))
+        gate, up = F.linear(layer.post_attention_layernorm(h), w_gu, b_gu).chunk(2, -1)  # (n, 1, I) each
+        h = h + mlp.down_proj(mlp.act_fn(gate) * up)
     return model.lm_head(trunk.norm(h))[:, -1]
 
 
@@ -454,8 +470,8 @@ def run_compiled(fn, *args):
     trace time (128 slots = 2 K/V heads x 64) and recompile when a bucket breaks the tie (seen: 5-8 s inside a timed
     run)."""
     from torch.fx.experimental import _config as fx_config  # private, but in torch 2.1 through 2.13
-    if fn not in COMPILED:
-        COMPILED[fn] = torch.compile(fn, dynamic=True)
+    if fn not in COMPILED:  # decode_forward has no graph break at all: fullgraph makes one an error
+        COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=fn is decode_forward)
     with fx_config.patch(use_duck_shape=False):
         return COMPILED[fn](*args)
 
@@ -544,7 +560,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                                 pos=pos[:, -1:].repeat_interleave(G, 0) + 1, done=done)  # (n,), (n, 1), (n, 1), (n,)
         kvh = layers[0][0].shape[1]
         fused = fuse_projections(model) if FUSE else None
-        forward_fn, forward_args = (decode_forward, (model, fused)) if fused is not None else (model_forward, (model,))
+        forward_fn = decode_forward if fused is not None else model_forward
         LAST.clear()
         LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None)
 
@@ -553,10 +569,9 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                                  impl=attn_impl, splits=num_splits(sl.rows.shape[0], kvh, dev))
 
             def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)
-                with decode_step(model, st):
-                    if compiled:
-                        return run_compiled(forward_fn, *forward_args, sl.tok, sl.pos)
-                    return forward_fn(*forward_args, sl.tok, sl.pos)
+                args = (model, fused, st, sl.tok, sl.pos) if fused is not None else (model, sl.tok, sl.pos)
+                with contextlib.nullcontext() if fused is not None else decode_step(model, st):  # (state: an arg)
+                    return run_compiled(forward_fn, *args) if compiled else forward_fn(*args)
 
             def step():
                 new, lp = draw(forward())  # (n,), (n,)

@@ -744,6 +744,40 @@ def test_rollout_greedy_matches_hf_generate():
         assert [ids[r].tolist() for r in range(0, ids.shape[0], G)] == ref, "a non-plain projection's output"
 
 
+
+@check
+@_kv_one_thread
+def test_rollout_decode_forward_is_one_graph():
+    """decode_forward (fused projections, the attention as the op nanogrpo::decode_attention) traces as ONE graph
+    under torch.compile(fullgraph=True) (a graph break raises), stays one graph when the live rows are compacted
+    into a smaller bucket (dynamic shapes), and gives model.generate's greedy tokens. aot_eager on the CPU: no C++
+    compiler needed; inductor on the GPU is what CUDA runs (COMPILE)."""
+    import rollout
+    from torch._dynamo.utils import counters
+    model = _kv_model("qwen3")  # q/k norms: the widest of the three layer shapes
+    prompt_ids, prompt_mask, _, _ = _kv_batch(G=3, prompt_lens=(7, 2, 4), seed=3)
+    free = _kv_generate_reference(model, prompt_ids, prompt_mask, 12, eos=99999)
+    eos = [free[0][3], free[1][3]]  # two of three groups end at token 3: the live third fits a bucket of 4 < 9 / 2
+    ref = _kv_generate_reference(model, prompt_ids, prompt_mask, 12, eos=eos)
+    orig = rollout.decode_forward
+    torch._dynamo.reset()
+    counters.clear()
+    rollout.decode_forward = torch.compile(orig, backend="aot_eager", dynamic=True, fullgraph=True)
+    try:
+        with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True) as r:
+            ids, mask = r.generate_groups(model, prompt_ids, prompt_mask, 3, 12, temperature=0.0, eos_token_id=eos,
+                                          pad_token_id=0)
+            buckets = r.LAST["buckets"]
+    finally:
+        rollout.decode_forward = orig
+        torch._dynamo.reset()
+    assert len(buckets) > 1, f"no compaction: buckets {buckets}"
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs <= 2, f"{graphs} graphs for buckets {buckets}: a recompile per bucket"  # (static, then dynamic)
+    for row in range(ids.shape[0]):
+        n = int(mask[row].sum())
+        assert ids[row, :n].tolist() == ref[row // 3][:n], f"row {row}"
+
 if GPU:
     @check
     @_kv_one_thread
