@@ -7,8 +7,8 @@ stream, reward plug-ins (--reward=module:function, weighted), the guard that kee
 run, and DAPO's soft overlong penalty. Imports nothing from the project.
 
 The answer is the last "The answer is X": correct 1.0, the format with a wrong X 0.1, else 0. This format is one
-SmolLM2-135M-Instruct half-follows (greedy, 1-digit arithmetic: format 75%, correct 19%); it never wrote
-<answer>X</answer> even when told to, so a tag format gives GRPO no signal.
+SmolLM2-135M-Instruct half-follows (greedy, 1-digit arithmetic, before ARITHMETIC_FORMAT's example: format 75%,
+correct 19%); it never wrote <answer>X</answer> even when told to, so a tag format gives GRPO no signal.
 
 A reward runs on whatever the policy writes, so it must be safe on any string: numbers are read with parse_int
 (bounded: int() of a 4,300+ digit string raises), expressions with safe_eval (never Python's eval: 60 unary
@@ -75,6 +75,16 @@ def safe_eval(expr):
         return None
 
 
+# The format line shows a negative number because SmolLM2-135M-Instruct writes none unprompted: with "End your reply
+# with: The answer is NUMBER." it gave 0 correct of 256 samples (T=0.7) on questions with a negative answer (23% of
+# 1-digit ones), so those never carried gradient and runs sat under a 0.77 ceiling (0.75-0.78 held-out). With this
+# line it gets 6/256 right, all six on a -3 answer (it copies the example): a foothold, not a skill. Of 19 H100 runs
+# with it (README, Measured), 4 ended above 0.78: three at 0.79-0.82, which the 5 held-out "-3" answers alone
+# explain, and one at 0.93, which needs other negatives learned too. The price: the untrained model copies "12"
+# as well (held-out greedy 0.05, was 0.15).
+ARITHMETIC_FORMAT = "End your reply with: The answer is NUMBER, for example: The answer is 12 or The answer is -3."
+
+
 def arithmetic_prompts(n, seed, difficulty):
     """a + b or a - b with `difficulty`-digit operands"""
     rng = random.Random(seed)
@@ -82,7 +92,8 @@ def arithmetic_prompts(n, seed, difficulty):
     for _ in range(n):
         hi = 10 ** difficulty - 1
         a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice("+-")
-        out.append((f"What is {a} {op} {b}? End your reply with: The answer is NUMBER.", a + b if op == "+" else a - b))
+        q = f"What is {a} {op} {b}? {ARITHMETIC_FORMAT}"
+        out.append((q, a + b if op == "+" else a - b))
     return out
 
 
