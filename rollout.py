@@ -779,5 +779,39 @@ def main(names):
     sys.stdout.flush()
 
 
+def bench_gemms():
+    """`python rollout.py gemms`: each decode GEMM alone (cuBLAS, triton.testing.do_bench) at M = 128 and 8 rows
+    against the time its bytes take at the datasheet bandwidth. The gap is a per-kernel floor that barely moves with
+    M, so the few-row steps of a ragged rollout's tail are further from their roofline than full steps are."""
+    import time
+    from triton.testing import do_bench
+
+    def us(fn):  # (do_bench wants a GPU driver; the CPU smoke run times 20 calls)
+        if CUDA:
+            return do_bench(fn, warmup=10, rep=40) * 1e3
+        t = time.perf_counter()
+        for _ in range(20):
+            fn()
+        return (time.perf_counter() - t) / 20 * 1e6
+    bw = next((v for k, v in SPEC_BW.items() if k in torch.cuda.get_device_name()), None) if CUDA else None
+    bw = bw or copy_bandwidth() or math.nan  # (the CPU has no HBM figure: times only)
+    dt = torch.bfloat16 if CUDA else torch.float32
+    print(f"decode GEMMs alone, y = x @ W^T, cuBLAS; bytes = (W + x + y) / {bw / 1e12:.2f} TB/s")
+    for shape in [s for s in SHAPES if s != "tiny"] if CUDA else ["tiny"]:
+        c = SHAPES[shape]
+        h, I, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+        D = h // c["num_attention_heads"]
+        gemms = {"q|k|v": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * D, h), "o": (h, h),
+                 "gate|up": (2 * I, h), "down": (h, I), "lm_head": (V, h)}
+        for M in (128, 8):
+            cells = []
+            for name, (N, K) in gemms.items():
+                w, x = torch.randn(N, K, device=DEV, dtype=dt), torch.randn(M, K, device=DEV, dtype=dt)
+                t = us(lambda: x @ w.T)
+                ideal = (N * K + M * K + M * N) * x.element_size() / bw * 1e6
+                cells.append(f"{name} {N}x{K}: {t:.1f} us (bytes {ideal:.1f}, {ideal / t:.2f})")
+            print(f"{shape} M={M:3d} | " + " | ".join(cells), flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    bench_gemms() if sys.argv[1:] == ["gemms"] else main(sys.argv[1:])
