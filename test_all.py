@@ -1869,11 +1869,18 @@ def test_grpo_torchrun_two_steps_logged_once():
     tiny = load_file(os.path.join(_tiny_model_dir(), "model.safetensors"))
     assert sorted(saved) == sorted(tiny) and all(saved[k].dtype == torch.float32 for k in saved), sorted(saved)
     assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "ckpt")).num_parameters() > 0
-    # (all-correct rewards have zero advantages; step 3 rewards by length, so its update moves the weights)
-    _write(os.path.join(out, "by_len.py"), "def reward(text, example):\n    return float(len(text) % 3), True\n")
-    stdout = torchrun(3, "--dtype=bfloat16", "--resume=True", f"--reward={out}/by_len.py:reward")
+    # (all-correct rewards have zero advantages; step 3 rewards even targets by length, so its update moves the
+    # weights; with dynamic sampling and one try each rank trains on its informative groups only: their numbers
+    # differ across the ranks, and the step still ends)
+    _write(os.path.join(out, "by_len.py"),
+           "def reward(text, example):\n    return float(len(text)) * (1 - example % 2), True\n")
+    stdout = torchrun(3, "--dtype=bfloat16", "--resume=True", f"--reward={out}/by_len.py:reward",
+                      "--prompts_per_step=6", "--temperature=2.0", "--dynamic_sampling=True", "--max_sampling_tries=1")
     assert "resumed from" in stdout and stdout.count("step 3:") == 1, stdout[-2000:]
-    assert [json.loads(line)["step"] for line in open(os.path.join(out, "log.jsonl"))] == [0, 1, 2, 3]
+    recs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+    assert [r["step"] for r in recs] == [0, 1, 2, 3]
+    flat = round(recs[3]["sampled_frac_reward_zero_std"] * 6)  # (here 3 of 6: the ranks train 1 and 2 groups)
+    assert 0 < flat < 6 and 6 - flat <= recs[3]["groups"] <= 6 - flat + 2, recs[3]  # + a uniform one per empty rank
     moved = load_file(os.path.join(out, "ckpt", "model.safetensors"))
     assert any(not torch.equal(moved[k], saved[k]) for k in saved), "step 3's checkpoint holds step 2's weights"
     res, _ = _train_output(_train_args(out, 4, "--resume=True", "--dtype=bfloat16"))
