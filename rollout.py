@@ -202,29 +202,14 @@ def decode_attention_torch(q, k_new, v_new, layer, st, scale):
 DECODE_STATE = []  # the decode state of the step being run (or captured): caches, slot -> row map, column
 
 
-@torch.compiler.disable  # under COMPILE the launches stay as they are (the CUDA graph captures them anyway)
-def decode_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """transformers attention function for a decode step, registered as "nanogrpo_decode": key/value are this step's
-    K/V (n, kvh, 1, D) after RoPE, the caches and the slot -> row map come from DECODE_STATE (set by decode_step; a
-    global rather than a forward argument, so that torch.compile never sees, guards on or re-traces it).
-    attention_mask is None: transformers builds no mask for an attention it does not know."""
-    st = DECODE_STATE[-1]
-    layer = st.layers[module.layer_idx]
-    dt = layer[0].dtype  # under autocast with fp32 weights RoPE hands back fp32 q/k beside a bf16 v: one dtype
-    fn = decode_attention_triton if st.impl == "triton" else decode_attention_torch
-    return fn(query.to(dt), key.to(dt), value.to(dt), layer, st, scaling), None
-
-
-AttentionInterface.register("nanogrpo_decode", decode_attention)
-
-
 @torch.library.custom_op("nanogrpo::decode_attention", mutates_args=("ck", "cv"))
 def decode_attention_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pk: torch.Tensor,
                         pv: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, done: torch.Tensor,
                         start: torch.Tensor, slot: torch.Tensor, G: int, scale: float, impl: str) -> torch.Tensor:
     """decode_forward's attention as a torch op: the decode state comes in as arguments (no global), and
     torch.compile traces the whole forward as one graph with this op inside it (it knows the op writes ck/cv),
-    where a compiler-disabled function would break the graph at every layer. (n, 1, h, D), in pk's dtype."""
+    where a compiler-disabled function would break the graph at every layer. (n, 1, h, D), in pk's dtype: under
+    autocast with fp32 weights RoPE hands back fp32 q/k beside a bf16 v, so all three are cast to the caches'."""
     dt = pk.dtype
     st = SimpleNamespace(rows=rows, done=done, start=start, slot=slot, G=G,
                          splits=num_splits(rows.shape[0], pk.shape[1], q.device))
@@ -236,6 +221,22 @@ def decode_attention_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
 def _(q, k_new, v_new, pk, pv, ck, cv, rows, done, start, slot, G, scale, impl):
     n, h, _, D = q.shape
     return q.new_empty(n, 1, h, D, dtype=pk.dtype)
+
+
+@torch.compiler.disable  # under COMPILE the launches stay as they are (the CUDA graph captures them anyway)
+def decode_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers attention function for a decode step, registered as "nanogrpo_decode" (the model's own forward,
+    FUSE off): key/value are this step's K/V (n, kvh, 1, D) after RoPE, the caches and the slot -> row map come from
+    DECODE_STATE (set by decode_step; a global rather than a forward argument, so that torch.compile never sees,
+    guards on or re-traces it), then the op above. attention_mask is None: transformers builds no mask for an
+    attention it does not know."""
+    st = DECODE_STATE[-1]
+    pk, pv, ck, cv = st.layers[module.layer_idx]
+    return decode_attention_op(query, key, value, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot, st.G, scaling,
+                               st.impl), None
+
+
+AttentionInterface.register("nanogrpo_decode", decode_attention)
 
 
 @contextlib.contextmanager
@@ -464,9 +465,9 @@ COMPILED = {}  # function -> its torch.compile wrapper, built once per process
 
 def run_compiled(fn, *args):
     """fn(*args) (model_forward or decode_forward) through torch.compile, compiled once per process, with dynamic
-    shapes: the slot count changes from bucket to bucket, and the attention's graph break starts a new frame per
-    layer whose inputs mark_dynamic would not reach, so static shapes would recompile every layer's frame at every
-    new bucket size. Without duck sizing: it would tie the slot count to any model dimension of the same size at
+    shapes: the slot count changes from bucket to bucket, and (model_forward: decode_forward has no break) the
+    attention's graph break starts a new frame per layer whose inputs mark_dynamic would not reach, so static shapes
+    would recompile every layer's frame at every new bucket size. Without duck sizing: it would tie the slot count to any model dimension of the same size at
     trace time (128 slots = 2 K/V heads x 64) and recompile when a bucket breaks the tie (seen: 5-8 s inside a timed
     run)."""
     from torch.fx.experimental import _config as fx_config  # private, but in torch 2.1 through 2.13
@@ -558,7 +559,6 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         slot = torch.zeros(1, dtype=torch.long, device=dev)  # completion column of the fed token, = step - 1
         slots = SimpleNamespace(rows=torch.arange(N, device=dev), tok=tok[:, None].clone(),
                                 pos=pos[:, -1:].repeat_interleave(G, 0) + 1, done=done)  # (n,), (n, 1), (n, 1), (n,)
-        kvh = layers[0][0].shape[1]
         fused = fuse_projections(model) if FUSE else None
         forward_fn = decode_forward if fused is not None else model_forward
         LAST.clear()
@@ -566,7 +566,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
 
         def make_step(sl):
             st = SimpleNamespace(layers=layers, rows=sl.rows, done=sl.done, start=start, slot=slot, G=G,
-                                 impl=attn_impl, splits=num_splits(sl.rows.shape[0], kvh, dev))
+                                 impl=attn_impl)  # (the op picks the split count for the slots it gets)
 
             def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)
                 args = (model, fused, st, sl.tok, sl.pos) if fused is not None else (model, sl.tok, sl.pos)
@@ -637,6 +637,11 @@ if not CUDA:
     WORKLOADS = {k: ("tiny", 2, 4, 16, 48, eos) for k, (_, _, _, _, _, eos) in WORKLOADS.items()}
 HF_SECONDS = 30.0  # model.generate gets this much wall time per workload (max_time); see bench_hf
 SPEC_BW = {"H100": 3.35e12, "H200": 4.8e12}  # datasheet HBM bytes/s (SXM)
+
+
+def spec_bandwidth():
+    """this GPU's datasheet HBM bytes/s from SPEC_BW; None for another device or the CPU"""
+    return next((v for k, v in SPEC_BW.items() if k in torch.cuda.get_device_name()), None) if CUDA else None
 
 
 def bench_model(shape):
@@ -725,7 +730,7 @@ def main(names):
     names = [n for n in names if n != "--no-hf"] or list(WORKLOADS)
     dev_name = torch.cuda.get_device_name() if CUDA else "cpu"
     copy_bw = copy_bandwidth()
-    spec_bw = next((v for k, v in SPEC_BW.items() if k in dev_name), None)
+    spec_bw = spec_bandwidth()
     tbs = lambda bw: f"{bw / 1e12:.2f} TB/s" if bw else "-"
     print(f"rollout benchmark on {dev_name}: torch {torch.__version__}, triton {triton.__version__}, transformers "
           f"{transformers.__version__}; sampling T=1; HBM bandwidth: datasheet {tbs(spec_bw)}, a device copy "
@@ -793,8 +798,7 @@ def bench_gemms():
         for _ in range(20):
             fn()
         return (time.perf_counter() - t) / 20 * 1e6
-    bw = next((v for k, v in SPEC_BW.items() if k in torch.cuda.get_device_name()), None) if CUDA else None
-    bw = bw or copy_bandwidth() or math.nan  # (the CPU has no HBM figure: times only)
+    bw = spec_bandwidth() or copy_bandwidth() or math.nan  # (the CPU has no HBM figure: times only)
     dt = torch.bfloat16 if CUDA else torch.float32
     print(f"decode GEMMs alone, y = x @ W^T, cuBLAS; bytes = (W + x + y) / {bw / 1e12:.2f} TB/s")
     for shape in [s for s in SHAPES if s != "tiny"] if CUDA else ["tiny"]:
