@@ -467,9 +467,9 @@ def run_compiled(fn, *args):
     """fn(*args) (model_forward or decode_forward) through torch.compile, compiled once per process, with dynamic
     shapes: the slot count changes from bucket to bucket, and (model_forward: decode_forward has no break) the
     attention's graph break starts a new frame per layer whose inputs mark_dynamic would not reach, so static shapes
-    would recompile every layer's frame at every new bucket size. Without duck sizing: it would tie the slot count to any model dimension of the same size at
-    trace time (128 slots = 2 K/V heads x 64) and recompile when a bucket breaks the tie (seen: 5-8 s inside a timed
-    run)."""
+    would recompile every layer's frame at every new bucket size. Without duck sizing: it would tie the slot count
+    to any model dimension of the same size at trace time (128 slots = 2 K/V heads x 64) and recompile when a bucket
+    breaks the tie (seen: 5-8 s inside a timed run)."""
     from torch.fx.experimental import _config as fx_config  # private, but in torch 2.1 through 2.13
     if fn not in COMPILED:  # decode_forward has no graph break at all: fullgraph makes one an error
         COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=fn is decode_forward)
