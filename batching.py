@@ -84,6 +84,24 @@ def global_sum(x, op="sum"):
     return x
 
 
+def rank0_value(x):
+    """rank 0's x on every rank (the others wait here until rank 0 has it); x in one process"""
+    if not distributed():
+        return x
+    box = [x]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_ranks(x):
+    """[x of rank 0, x of rank 1, ...] for a picklable x; [x] in one process"""
+    if not distributed():
+        return [x]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, x)
+    return out
+
+
 @torch.no_grad()
 def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature, top_p, eos_token_id,
             pad_token_id):
@@ -454,24 +472,6 @@ def global_stats(totals, dev):
             v = global_sum(torch.stack([totals[k].float() if k in totals else torch.tensor(neutral, device=dev)
                                            for k in ks]), op)
             out.update(zip(ks, v))
-    return out
-
-
-def rank0_value(x):
-    """rank 0's x on every rank (the others wait here until rank 0 has it); x in one process"""
-    if not distributed():
-        return x
-    box = [x]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def all_ranks(x):
-    """[x of rank 0, x of rank 1, ...] for a picklable x; [x] in one process"""
-    if not distributed():
-        return [x]
-    out = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, x)
     return out
 
 
