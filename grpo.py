@@ -49,8 +49,8 @@ overlong_penalty_factor = 1.0  # the penalty at max_completion_len is -overlong_
 dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal, sample more prompts to refill the step
 max_sampling_tries = 4  # dynamic sampling: at most this many draws of prompts_per_step prompts per step
 difficulty = 1  # arithmetic: digits per operand; countdown: how many numbers (difficulty + 1)
-max_steps = 100  # generation batches (each followed by num_iterations * steps_per_generation optimizer steps)
-max_minutes = 7.0  # stop the loop after this much wall time (0 = no limit); the final eval + save come after
+max_steps = 1000  # generation batches (each followed by num_iterations * steps_per_generation optimizer steps)
+max_minutes = 5.0  # stop the loop after this much wall time, start-up included (0 = none); final eval + save after
 prompts_per_step = 32
 group_size = 8
 max_prompt_len = 256

@@ -75,14 +75,17 @@ def safe_eval(expr):
         return None
 
 
-# The format line shows a negative number because SmolLM2-135M-Instruct writes none unprompted: with "End your reply
-# with: The answer is NUMBER." it gave 0 correct of 256 samples (T=0.7) on questions with a negative answer (23% of
-# 1-digit ones), so those never carried gradient and runs sat under a 0.77 ceiling (0.75-0.78 held-out). With this
-# line it gets 6/256 right, all six on a -3 answer (it copies the example): a foothold, not a skill. Of 19 H100 runs
-# with it (README, Measured), 4 ended above 0.78: three at 0.79-0.82, which the 5 held-out "-3" answers alone
-# explain, and one at 0.93, which needs other negatives learned too. The price: the untrained model copies "12"
-# as well (held-out greedy 0.05, was 0.15).
-ARITHMETIC_FORMAT = "End your reply with: The answer is NUMBER, for example: The answer is 12 or The answer is -3."
+# The format line asks for the equation before the answer and shows a negative one. SmolLM2-135M-Instruct writes no
+# negative number unprompted: with "End your reply with: The answer is NUMBER." it gave 0 correct of 256 samples
+# (T=0.7) on questions with a negative answer (23% of 1-digit ones), those never carried gradient, and runs sat under
+# a 0.77 ceiling. A shown "-3" is copied (6/256 right, all on -3 answers), a foothold but no skill. What the H100 runs
+# that broke through learned was an order: "1 - 6 = -5. The answer is -5." Writing the equation first puts the
+# operands right before the digit the model must produce, and the runs that wrote the answer first and explained
+# after ("The answer is 1. ... 1 - 6 = ...") stayed stuck. So the line asks for that order: held-out greedy >= 0.90
+# came in 2 of 4 H100 runs with it, against 2 of 28 with "..., for example: The answer is 12 or The answer is -3."
+# (README, Measured). The untrained model mostly copies the example (held-out greedy 0.03; answer-only line: 0.15).
+ARITHMETIC_FORMAT = ("Write the equation with its result, then end your reply with: The answer is NUMBER. "
+                     "For example, for 2 - 5: 2 - 5 = -3. The answer is -3.")
 
 
 def arithmetic_prompts(n, seed, difficulty):
