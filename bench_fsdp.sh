@@ -2,7 +2,7 @@
 # torchrun + FSDP2 on GPUs (issue 10), from the repo root of a box with >= 2 GPUs (kind nvidia-h200-x2):
 #   bash bench_fsdp.sh 7b [--key=value ...]         # random-weight Qwen2.5-7B-shaped model (no hub), 4 steps on
 #                                                   # NPROC (2) GPUs: seconds per step (gen, update), GiB per GPU
-#   bash bench_fsdp.sh smollm2 1 [--key=value ...]  # the default config (SmolLM2-135M) on 1 GPU: python grpo.py
+#   bash bench_fsdp.sh smollm2 1 [--key=value ...]  # the default config (SmolLM2-135M), 100 steps, 1 GPU
 #   bash bench_fsdp.sh smollm2 2 [--key=value ...]  # ...and on 2 GPUs at the same global batch: torchrun
 #   bash bench_fsdp.sh summary                      # the smollm2 runs side by side (gen/update s per step, held-out)
 # Each prints the per-step numbers from its log.jsonl (gen_s, update_s, peak_gib = rank 0's max_memory_allocated)
@@ -105,11 +105,12 @@ smollm2)
     n=${1:-1}
     shift || true
     OUT=/tmp/nanogrpo_out_smollm2_${n}gpu
+    FIXED="--max_steps=100 --max_minutes=0"  # 100 steps, not the default's 5 minutes: 1 and N GPUs do equal work
     smi_start "/tmp/nanogrpo_smi_smollm2_${n}.csv"
     if [ "$n" = 1 ]; then
-        $PY grpo.py --out_dir="$OUT" --overwrite=True "$@"
+        $PY grpo.py $FIXED --out_dir="$OUT" --overwrite=True "$@"
     else
-        $TORCHRUN --nproc_per_node="$n" grpo.py --out_dir="$OUT" --overwrite=True "$@"
+        $TORCHRUN --nproc_per_node="$n" grpo.py $FIXED --out_dir="$OUT" --overwrite=True "$@"
     fi
     smi_stop "/tmp/nanogrpo_smi_smollm2_${n}.csv"
     steps "$OUT/log.jsonl"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU, end to end: install what is missing, fetch the default model, train, say where the log and plot are.
-#   bash run.sh                         # SmolLM2-135M-Instruct on 1-digit arithmetic, out/ (a few minutes on an H100)
+#   bash run.sh                         # SmolLM2-135M-Instruct on 1-digit arithmetic, out/ (5 minutes of training)
 #   bash run.sh --task=countdown --lr=2e-6 --out_dir=out_cd   # any --key=value of grpo.py passes through
 set -euo pipefail
 cd "$(dirname "$0")"
