@@ -331,6 +331,9 @@ def train_prompts(make_prompts, n, seed, difficulty, exclude):
                      f"--eval_size")
 
 
+FILE_MODULES = {}  # real path -> module: a file.py reward runs its top-level code once (the config check loads it too)
+
+
 def load_reward(spec):
     """a reward function from "module:function" (imported like any module: the current directory is on the path)
     or "path/to/file.py:function". Its signature: fn(completion: str, example) -> float, or -> (float, correct)"""
@@ -338,11 +341,14 @@ def load_reward(spec):
     if not sep or not mod or not fn:
         raise ValueError(f"--reward={spec!r}: use module:function or path/file.py:function")
     if mod.endswith(".py"):
-        s = importlib.util.spec_from_file_location(os.path.basename(mod)[:-3], os.path.expanduser(mod))
-        if s is None or not os.path.isfile(os.path.expanduser(mod)):
+        path = os.path.realpath(os.path.expanduser(mod))
+        s = importlib.util.spec_from_file_location(os.path.basename(mod)[:-3], path)
+        if s is None or not os.path.isfile(path):
             raise ValueError(f"--reward={spec!r}: no file {mod}")
-        module = importlib.util.module_from_spec(s)
-        s.loader.exec_module(module)
+        if path not in FILE_MODULES:
+            FILE_MODULES[path] = importlib.util.module_from_spec(s)
+            s.loader.exec_module(FILE_MODULES[path])
+        module = FILE_MODULES[path]
     else:
         if "" not in sys.path and os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())

@@ -1580,8 +1580,8 @@ def test_tasks_jsonl_task_end_to_end_with_plugin_rewards():
     rows = [{"question": f"Tom has {i} apples and buys {i + 3}. How many now?", "answer": f"{i} + {i + 3} = "
              f"{2 * i + 3}\n#### {2 * i + 3:,}"} for i in range(400, 430)]
     path = _write(os.path.join(d, "train.jsonl"), "\n".join(json.dumps(r) for r in rows) + "\n")
-    _write(os.path.join(d, "my_rewards.py"), "def digits(completion, example):\n"
-           "    return sum(c.isdigit() for c in completion) / 8\n")
+    _write(os.path.join(d, "my_rewards.py"), "open(__file__ + '.runs', 'a').write('x')  # counts its executions\n"
+           "def digits(completion, example):\n    return sum(c.isdigit() for c in completion) / 8\n")
     _write(os.path.join(d, "nanogrpo_len_reward.py"), "def short(completion, example):\n"
            "    return -len(completion) / 100, False\n")
     assert tasks.dataset_answer(rows[0]) == "803" and tasks.dataset_answer({"answer": "Paris"}) == "Paris"
@@ -1619,6 +1619,8 @@ def test_tasks_jsonl_task_end_to_end_with_plugin_rewards():
     finally:
         sys.path.remove(d)
     recs = res.records
+    with open(os.path.join(d, "my_rewards.py.runs")) as f:
+        assert f.read() == "x"  # the config check and the run share one load of the file
     assert [r["step"] for r in recs] == [0, 1, 2] and all("eval_pass_k" in r for r in (recs[0], recs[2])), recs
     for r in recs[1:]:
         assert r["optimizer_steps"] == 2 and r["grad_norm"] > 0, r
