@@ -346,9 +346,10 @@ def load_reward(spec):
         s = importlib.util.spec_from_file_location(os.path.basename(mod)[:-3], path)
         if s is None or not os.path.isfile(path):
             raise ValueError(f"--reward={spec!r}: no file {mod}")
-        if path not in FILE_MODULES:
-            FILE_MODULES[path] = importlib.util.module_from_spec(s)
-            s.loader.exec_module(FILE_MODULES[path])
+        if path not in FILE_MODULES:  # (kept only once its code ran through: a file that raised raises again)
+            module = importlib.util.module_from_spec(s)
+            s.loader.exec_module(module)
+            FILE_MODULES[path] = module
         module = FILE_MODULES[path]
     else:
         if "" not in sys.path and os.getcwd() not in sys.path:
