@@ -105,7 +105,7 @@ smollm2)
     n=${1:-1}
     shift || true
     OUT=/tmp/nanogrpo_out_smollm2_${n}gpu
-    FIXED="--max_steps=100 --max_minutes=0"  # 100 steps, not the default's 5 minutes: 1 and N GPUs do equal work
+    FIXED="--max_steps=100 --max_minutes=0 --group_size=8"  # 100 steps (not the default's 5 minutes) of 32 x 8, as README's rows: 1 and N GPUs do equal work
     smi_start "/tmp/nanogrpo_smi_smollm2_${n}.csv"
     if [ "$n" = 1 ]; then
         $PY grpo.py $FIXED --out_dir="$OUT" --overwrite=True "$@"
