@@ -6,8 +6,10 @@ or hf:NAME[:config]). Then what the trainer does with any task: the held-out spl
 stream, reward plug-ins (--reward=module:function, weighted), the guard that keeps a raising reward from ending a
 run, and DAPO's soft overlong penalty. Imports nothing from the project.
 
-The answer is the last "The answer is X": correct 1.0, the format with a wrong X 0.1, else 0. This format is one
-SmolLM2-135M-Instruct half-follows (greedy, 1-digit arithmetic, before ARITHMETIC_FORMAT's example: format 75%,
+The answer is the last "The answer is X": correct 1.0, the format with a wrong X 0.1, else 0. Anywhere, not only at
+the end: the default run's policy then repeats its answer block to max_completion_len, but with the answer read only
+where the reply ends it dropped the equation instead and held-out accuracy stayed at 0.70 (README). This format is
+one SmolLM2-135M-Instruct half-follows (greedy, 1-digit arithmetic, before ARITHMETIC_FORMAT's example: format 75%,
 correct 19%); it never wrote <answer>X</answer> even when told to, so a tag format gives GRPO no signal.
 
 A reward runs on whatever the policy writes, so it must be safe on any string: numbers are read with parse_int
