@@ -154,8 +154,11 @@ def group_advantages(rewards, group_size, scale_rewards="group"):
     std_group = r.std(1, keepdim=True) if group_size > 1 else torch.zeros_like(adv[:, :1])
     if scale_rewards == "group":
         adv = adv / (std_group + 1e-4)
-    elif scale_rewards == "batch":
-        adv = adv / (r.std() + 1e-4) if r.numel() > 1 else adv
+    elif scale_rewards == "batch":  # the std of all B*G rewards; under torchrun of every rank's (two passes, exact)
+        n = global_sum(torch.tensor(float(r.numel()), dtype=torch.float64, device=r.device))
+        mean = global_sum(r.double().sum()) / n
+        var = global_sum(((r.double() - mean) ** 2).sum()) / (n - 1).clamp_min(1)  # unbiased, as torch.std
+        adv = adv / (var.sqrt().float() + 1e-4) if n > 1 else adv
     frac_zero_std = (std_group.squeeze(1) < 1e-6).float().mean().item()
     return adv.view(-1), frac_zero_std
 
@@ -193,13 +196,17 @@ def loss_weights(completion_mask, loss_type, max_completion_len, steps_per_gener
 def entropy_mask(ent, loss_mask, quantile, steps_per_generation=1):
     """(B*G, C) bool: the tokens whose entropy is in the top `quantile` fraction of their mini-batch's loss tokens
     (Beyond the 80/20 Rule; TRL's get_high_entropy_mask: entropy >= torch.quantile(entropies, 1 - quantile), so
-    quantile=0 keeps the highest-entropy token(s) only). Rows in mini-batch order as in loss_weights."""
+    quantile=0 keeps the highest-entropy token(s) only). Rows in mini-batch order as in loss_weights; under torchrun
+    mini-batch k is every rank's k-th, so its threshold is over all of their loss tokens (gathered: a few MB a step)."""
     K = steps_per_generation
     out = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
     for e, m, o in zip(ent.view(K, -1, ent.shape[1]), loss_mask.bool().view(K, -1, ent.shape[1]),
                        out.view(K, -1, ent.shape[1])):  # (R, C) each: one mini-batch
-        if m.any():
-            threshold = torch.quantile(e[m].float(), 1 - quantile)
+        values = e[m].float()  # (this rank's loss tokens of the mini-batch,)
+        if distributed():
+            values = torch.cat([v.to(e.device) for v in all_ranks(values.cpu())])
+        if values.numel():
+            threshold = torch.quantile(values, 1 - quantile)
             o.copy_((e * m >= threshold) & m)
     return out
 

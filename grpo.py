@@ -308,12 +308,6 @@ def world_size_errors(cfg, world):
     elif cfg.steps_per_generation >= 1 and local % cfg.steps_per_generation:
         errors.append(f"--steps_per_generation={cfg.steps_per_generation}: must divide each process's "
                       f"{local} prompts (--prompts_per_step={cfg.prompts_per_step} over WORLD_SIZE={world})")
-    if cfg.top_entropy_quantile < 1:
-        errors.append(f"--top_entropy_quantile={cfg.top_entropy_quantile}: its threshold is over the whole mini-batch, "
-                      f"which is not gathered across processes yet (WORLD_SIZE={world}): use one process")
-    if cfg.scale_rewards == "batch":
-        errors.append(f"--scale_rewards=batch: the batch std is not gathered across processes yet (WORLD_SIZE="
-                      f"{world}): use group or none, or one process")
     return errors
 
 

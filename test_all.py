@@ -1056,6 +1056,13 @@ def test_grpo_bf16_policy_keeps_rope_float32():
             assert torch.equal(model(ids).logits, want), f"{name}: logits differ from from_pretrained(bfloat16)"
     assert all(m.dtype == torch.float32 for m in master), "masters not float32"
 
+def _dist_cfg(name):
+    """dapo, grpo: the loss normalizers; entropy_batch: the two statistics over the whole batch (the entropy mask's
+    quantile threshold, the rewards' std), gathered over the ranks"""
+    kw = dict(loss_type="dapo", top_entropy_quantile=0.5, scale_rewards="batch") if name == "entropy_batch" else {}
+    return _trainer_cfg(**{"loss_type": name, "micro_batch_tokens": 30, **kw})
+
+
 def _dist_worker(rank, world, port, tmp, model_dir):
     """one rank of test_batching_two_ranks_sum_to_one_process (torch.multiprocessing.spawn, gloo)"""
     import datetime
@@ -1067,7 +1074,7 @@ def _dist_worker(rank, world, port, tmp, model_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        for loss_type, engine in (("dapo", "fsdp"), ("grpo", "fsdp"), ("dapo", "replica")):
+        for name, engine in (("dapo", "fsdp"), ("grpo", "fsdp"), ("dapo", "replica"), ("entropy_batch", "fsdp")):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             assert model.config.tie_word_embeddings
             if engine == "fsdp":
@@ -1076,9 +1083,8 @@ def _dist_worker(rank, world, port, tmp, model_dir):
             mine = list(range(rank * 2, rank * 2 + 2))  # whole groups: the advantages stay local
             local = batching.select_groups(buf, mine)
             G = buf["group_size"]
-            _dist_grads_and_step(model, local, rewards.view(-1, G)[mine].reshape(-1),
-                                 _trainer_cfg(loss_type=loss_type, micro_batch_tokens=30),
-                                 f"{tmp}/{loss_type}_{engine}_rank{rank}.pt")
+            _dist_grads_and_step(model, local, rewards.view(-1, G)[mine].reshape(-1), _dist_cfg(name),
+                                 f"{tmp}/{name}_{engine}_rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -1091,7 +1097,9 @@ def test_batching_two_ranks_sum_to_one_process():
     Through FSDP2 (grpo.shard_model, for dapo's token count and grpo's sequence count): every rank's full tensor of
     the reduce-scattered gradient is that sum, and after update_step (clip, AdamW on the shards) the full weights are
     the one-process weights; the logged loss and grad_norm are the global ones. Through the replica engine
-    (--fsdp=False, dapo): the ranks' own gradients sum to it, and the all-reduced step gives the same weights."""
+    (--fsdp=False, dapo): the ranks' own gradients sum to it, and the all-reduced step gives the same weights. And
+    top_entropy_quantile with scale_rewards=batch (FSDP2): the entropy threshold and the reward std are the whole
+    batch's, so the sum is still the one-process gradient."""
     import socket
     import tempfile
     import torch.multiprocessing as mp
@@ -1106,12 +1114,16 @@ def test_batching_two_ranks_sum_to_one_process():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_dist_worker, args=(2, port, tmp, _tiny_model_dir()), nprocs=2)
-    for loss_type, engines in (("dapo", ("fsdp", "replica")), ("grpo", ("fsdp",))):
+    for loss_type, engines in (("dapo", ("fsdp", "replica")), ("grpo", ("fsdp",)), ("entropy_batch", ("fsdp",))):
         model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
         buf, rewards = _dist_buffer()
-        cfg = _trainer_cfg(loss_type=loss_type, micro_batch_tokens=30)
+        cfg = _dist_cfg(loss_type)
         assert cfg.kv_reuse
         _dist_grads_and_step(model, buf, rewards, cfg, f"{tmp}/{loss_type}_one.pt")
+        if loss_type == "entropy_batch":  # a rank-local threshold or std would differ: the test would see it
+            local_adv = batching.group_advantages(rewards[:6], 3, "batch")[0]
+            assert (local_adv - buf["advantages"][:6]).abs().max() > 1e-3
+            assert 0 < buf["entropy_mask"].sum() < buf["completion_mask"].sum()
         one = torch.load(f"{tmp}/{loss_type}_one.pt")
         for engine in engines:
             r0, r1 = (torch.load(f"{tmp}/{loss_type}_{engine}_{n}.pt") for n in ("rank0", "rank1"))
@@ -1876,11 +1888,12 @@ def test_grpo_torchrun_two_steps_logged_once():
     assert AutoModelForCausalLM.from_pretrained(os.path.join(out, "ckpt")).num_parameters() > 0
     # (all-correct rewards have zero advantages; step 3 rewards even targets by length, so its update moves the
     # weights; with dynamic sampling and one try each rank trains on its informative groups only: their numbers
-    # differ across the ranks, and the step still ends)
+    # differ across the ranks, and the step still ends, with the entropy threshold and the reward std over both)
     _write(os.path.join(out, "by_len.py"),
            "def reward(text, example):\n    return float(len(text)) * (1 - example % 2), True\n")
     stdout = torchrun(3, "--dtype=bfloat16", "--resume=True", f"--reward={out}/by_len.py:reward",
-                      "--prompts_per_step=6", "--temperature=2.0", "--dynamic_sampling=True", "--max_sampling_tries=1")
+                      "--prompts_per_step=6", "--temperature=2.0", "--dynamic_sampling=True", "--max_sampling_tries=1",
+                      "--top_entropy_quantile=0.5", "--scale_rewards=batch")
     assert "resumed from" in stdout and stdout.count("step 3:") == 1, stdout[-2000:]
     recs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
     assert [r["step"] for r in recs] == [0, 1, 2, 3]
