@@ -188,12 +188,7 @@ def check_config(cfg):
     errors = [f"--{k}={getattr(cfg, k)!r}: use one of {ok}" for k, ok in CHOICES.items() if getattr(cfg, k) not in ok]
     errors += [f"--{k}={getattr(cfg, k)!r}: must be {why}" for k, (ok, why) in RANGES.items()
                if not ok(getattr(cfg, k))]
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the process group starts after these checks
-    if world > 1:
-        errors += world_size_errors(cfg, world)
-    elif cfg.steps_per_generation >= 1 and cfg.prompts_per_step % cfg.steps_per_generation:
-        errors.append(f"--steps_per_generation={cfg.steps_per_generation}: must divide --prompts_per_step="
-                      f"{cfg.prompts_per_step} (each optimizer step takes an equal share of whole groups)")
+    errors += world_size_errors(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # torchrun's (its group starts later)
     if cfg.vllm_importance_sampling_clip_min >= cfg.vllm_importance_sampling_clip_max:
         errors.append(f"--vllm_importance_sampling_clip_min={cfg.vllm_importance_sampling_clip_min} >= "
                       f"--vllm_importance_sampling_clip_max={cfg.vllm_importance_sampling_clip_max}: min must be below "
@@ -300,14 +295,17 @@ def shard_model(model, dt, dev):
 
 
 def world_size_errors(cfg, world):
-    """what a torchrun job of `world` processes cannot run, said before anything loads"""
+    """the step's prompts must split into whole groups per process (torchrun's WORLD_SIZE; 1 in plain python), and
+    each process's share into steps_per_generation equal mini-batches; said before anything loads"""
     errors, local = [], cfg.prompts_per_step // world
     if cfg.prompts_per_step % world:
         errors.append(f"--prompts_per_step={cfg.prompts_per_step} does not split into whole groups over {world} "
                       f"processes (torchrun's WORLD_SIZE={world}): use a multiple of {world}")
     elif cfg.steps_per_generation >= 1 and local % cfg.steps_per_generation:
-        errors.append(f"--steps_per_generation={cfg.steps_per_generation}: must divide each process's "
-                      f"{local} prompts (--prompts_per_step={cfg.prompts_per_step} over WORLD_SIZE={world})")
+        share = f"each process's {local} prompts (--prompts_per_step={cfg.prompts_per_step} over WORLD_SIZE={world})"
+        errors.append(f"--steps_per_generation={cfg.steps_per_generation}: must divide " + (
+            share if world > 1 else f"--prompts_per_step={local} (each optimizer step takes an equal share of whole "
+                                    f"groups)"))
     return errors
 
 
