@@ -1154,6 +1154,23 @@ def _hand_batch():
 
 
 @check
+def test_batching_entropy_threshold_any_size():
+    """the entropy mask's threshold is torch.quantile's value exactly (ties, q at the ends, n = 1), and it still
+    comes past torch.quantile's 2**24-element limit, which a mini-batch gathered over ranks reaches"""
+    import batching
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 7, 100, 1001):
+        for q in (0.0, 0.2, 0.37, 0.5, 0.6, 0.8, 0.999, 1.0):
+            x = torch.rand(n, generator=g)
+            x[: n // 3] = 0.25  # ties
+            assert batching.quantile_any_size(x, q).item() == torch.quantile(x, q).item(), (n, q)
+    big = torch.rand(2**24 + 5, generator=g)
+    big[-1] = 2.0  # the maximum, so q=1 must find it
+    assert batching.quantile_any_size(big, 1.0).item() == 2.0
+    assert abs(batching.quantile_any_size(big, 0.8).item() - 0.8) < 1e-3
+
+
+@check
 def test_batching_loss_variants_hand_computed():
     """policy_loss against numbers worked out by hand (eps=0.2, eps_high=0.28):
     token PPO clip: A=+1 r=1.5 -> -1.28 (clipped), r=0.5 -> -0.5; A=-1 r=1 -> 1, r=2 -> 2, r=1/4 -> 0.8 (clipped);
