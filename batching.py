@@ -105,14 +105,17 @@ def all_ranks(x):
 @torch.no_grad()
 def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature, top_p, eos_token_id,
             pad_token_id):
-    """sample group_size completions per prompt; the returned dict is the generation buffer. sampler_logp: each
-    token's log-prob as the sampler computed it (its decode kernels, not the training forward's)"""
+    """sample group_size completions per prompt; the returned dict is the generation buffer. eos_token_id: an int or
+    a list (every id that ends a completion). sampler_logp: each token's log-prob as the sampler computed it (its
+    decode kernels, not the training forward's)"""
     completion_ids, completion_mask, sampler_logp = generate_groups(
         model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature=temperature, top_p=top_p,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, return_logprobs=True)  # (B*G, C) each
     completion_mask = completion_mask.long()
     # a completion is truncated when it filled max_completion_len without emitting EOS
-    has_eos = ((completion_ids == eos_token_id) & (completion_mask == 1)).any(1)  # (B*G,)
+    stop = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
+                        dtype=torch.long, device=completion_ids.device)
+    has_eos = (torch.isin(completion_ids, stop) & (completion_mask == 1)).any(1)  # (B*G,)
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(), completion_ids=completion_ids,
                 completion_mask=completion_mask, truncated=~has_eos, group_size=group_size, sampler_logp=sampler_logp)
 

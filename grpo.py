@@ -312,6 +312,14 @@ def world_size_errors(cfg, world):
 # ------------------------------------------------------------------------------------------------------------------
 # prompts
 # ------------------------------------------------------------------------------------------------------------------
+def stop_token_ids(model, tokenizer):
+    """the ids that end a completion: the tokenizer's EOS and every EOS of the model's generation_config, which is
+    what model.generate stops at (Qwen2.5-Instruct lists <|im_end|> and <|endoftext|>, Llama-3.1-Instruct three)"""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted({tokenizer.eos_token_id, *ids} - {None})
+
+
 def encode_prompts(tokenizer, questions, max_prompt_len, dev):
     """chat template + left padding -> (B, P) ids and mask"""
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
@@ -373,7 +381,7 @@ def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
         chunk = mine[i:i + batch]
         ids, mask = encode_prompts(tokenizer, [q for q, _ in chunk], cfg.max_prompt_len, dev)
         for n, temp in ((1, 0.0),) + (((k, cfg.eval_temperature),) if k else ()):
-            buf = rollout(model, ids, mask, n, cfg.max_completion_len, temp, 1.0, tokenizer.eos_token_id,
+            buf = rollout(model, ids, mask, n, cfg.max_completion_len, temp, 1.0, stop_token_ids(model, tokenizer),
                           tokenizer.pad_token_id)
             texts = tokenizer.batch_decode(buf["completion_ids"], skip_special_tokens=True)
             scored = [reward_fn(text, chunk[j // n][1]) for j, text in enumerate(texts)]  # rows prompt-major
@@ -415,7 +423,7 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
         prompt_ids, prompt_mask = encode_prompts(tokenizer, [q for q, _ in batch], cfg.max_prompt_len, dev)
         try:
             buf = rollout(policy, prompt_ids, prompt_mask, G, cfg.max_completion_len, cfg.temperature, cfg.top_p,
-                          tokenizer.eos_token_id, tokenizer.pad_token_id)
+                          stop_token_ids(policy, tokenizer), tokenizer.pad_token_id)
         except torch.cuda.OutOfMemoryError as e:
             raise torch.cuda.OutOfMemoryError("out of GPU memory while generating: lower --prompts_per_step, "
                                               "--group_size or --max_completion_len") from e
@@ -514,6 +522,8 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     if cfg.beta > 0:  # k3 KL anchor: the initial weights, frozen (under FSDP2 too: a dt replica on every rank)
         ref_model = cast_parameters(checkpoint.load_model(base, dev), dt).eval().requires_grad_(False)
     optimizer, master = make_optimizer(policy, cfg, dt)
+    stop = stop_token_ids(policy, tokenizer)
+    print(f"completions end at: {dict(zip(tokenizer.convert_ids_to_tokens(stop), stop))}, or max_completion_len")
     reward_fn, reward_count = make_reward(reward_fn, cfg.reward, cfg.reward_weights)
     eval_questions = {q for q, _ in eval_set}
     log_path = os.path.join(cfg.out_dir, "log.jsonl")

@@ -1154,6 +1154,28 @@ def _hand_batch():
 
 
 @check
+def test_grpo_completions_end_at_every_stop_token():
+    """a completion ends at the tokenizer's EOS or at any EOS the model's generation_config lists (what
+    model.generate stops at: Llama-3.1-Instruct lists three), and one that ended so is not truncated"""
+    from transformers import AutoModelForCausalLM
+    import batching
+    import checkpoint
+    import grpo
+    tok = checkpoint.load_tokenizer(_tiny_model_dir())
+    model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
+    ids, mask = grpo.encode_prompts(tok, ["What is 1 + 2?", "Hi"], 64, torch.device("cpu"))
+    free = batching.rollout(model, ids, mask, 1, 6, 0.0, 1.0, (), tok.pad_token_id)  # greedy, nothing stops it
+    assert free["truncated"].all() and free["completion_mask"].sum(1).tolist() == [6, 6]
+    first = int(free["completion_ids"][0, 0])  # row 0's first greedy token, made a second EOS below
+    assert first != tok.eos_token_id and grpo.stop_token_ids(model, tok) == [tok.eos_token_id]
+    model.generation_config.eos_token_id = [first, tok.eos_token_id]
+    stop = grpo.stop_token_ids(model, tok)
+    assert stop == sorted({tok.eos_token_id, first}), stop
+    buf = batching.rollout(model, ids, mask, 1, 6, 0.0, 1.0, stop, tok.pad_token_id)
+    assert buf["completion_mask"][0].sum() == 1 and not buf["truncated"][0], buf
+
+
+@check
 def test_batching_entropy_threshold_any_size():
     """the entropy mask's threshold is torch.quantile's value exactly (ties, q at the ends, n = 1), and it still
     comes past torch.quantile's 2**24-element limit, which a mini-batch gathered over ranks reaches"""
