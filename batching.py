@@ -23,7 +23,7 @@ import math
 import torch
 
 from kv_reuse import completion_hidden
-from rollout import generate_groups
+from rollout import eos_tensor, generate_groups
 from logprobs import token_logprobs
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
@@ -113,9 +113,8 @@ def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temp
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, return_logprobs=True)  # (B*G, C) each
     completion_mask = completion_mask.long()
     # a completion is truncated when it filled max_completion_len without emitting EOS
-    stop = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
-                        dtype=torch.long, device=completion_ids.device)
-    has_eos = (torch.isin(completion_ids, stop) & (completion_mask == 1)).any(1)  # (B*G,)
+    has_eos = (torch.isin(completion_ids, eos_tensor(eos_token_id, completion_ids.device))
+               & (completion_mask == 1)).any(1)  # (B*G,)
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(), completion_ids=completion_ids,
                 completion_mask=completion_mask, truncated=~has_eos, group_size=group_size, sampler_logp=sampler_logp)
 

@@ -296,8 +296,7 @@ def load_tokenizer(path):
 
 def load_model(path, dev):
     from transformers import AutoModelForCausalLM
-    return loaded("model", path,
-                             lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).to(dev)
+    return loaded("model", path, lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).to(dev)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -302,10 +302,10 @@ def world_size_errors(cfg, world):
         errors.append(f"--prompts_per_step={cfg.prompts_per_step} does not split into whole groups over {world} "
                       f"processes (torchrun's WORLD_SIZE={world}): use a multiple of {world}")
     elif cfg.steps_per_generation >= 1 and local % cfg.steps_per_generation:
-        share = f"each process's {local} prompts (--prompts_per_step={cfg.prompts_per_step} over WORLD_SIZE={world})"
-        errors.append(f"--steps_per_generation={cfg.steps_per_generation}: must divide " + (
-            share if world > 1 else f"--prompts_per_step={local} (each optimizer step takes an equal share of whole "
-                                    f"groups)"))
+        share = (f"each process's {local} prompts (--prompts_per_step={cfg.prompts_per_step} over WORLD_SIZE="
+                 f"{world})" if world > 1 else
+                 f"--prompts_per_step={local} (each optimizer step takes an equal share of whole groups)")
+        errors.append(f"--steps_per_generation={cfg.steps_per_generation}: must divide {share}")
     return errors
 
 

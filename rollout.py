@@ -489,6 +489,12 @@ def num_splits(n, kvh, device):
 # generate_groups
 
 
+def eos_tensor(eos_token_id, device):
+    """the ids that end a completion, an int or a list of ints (or () for none), as a (n_eos,) long tensor"""
+    return torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), dtype=torch.long,
+                        device=device)
+
+
 @torch.no_grad()
 def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
                     top_k=0, eos_token_id=None, pad_token_id=None, return_logprobs=False):
@@ -505,8 +511,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
     eos_token_id = model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
     if eos_token_id is None:
         raise ValueError("pass eos_token_id (int, list of ints, or () for none)")
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), dtype=torch.long,
-                       device=prompt_ids.device)
+    eos = eos_tensor(eos_token_id, prompt_ids.device)
     if pad_token_id is None and len(eos) == 0:
         raise ValueError("pass pad_token_id when there is no eos_token_id")
     pad = int(eos[0]) if pad_token_id is None else pad_token_id
