@@ -57,21 +57,16 @@ def fsdp_modules(model):
 
 @contextlib.contextmanager
 def gathered(model):
-    """FSDP2: the full weights on every rank for generation (one all-gather per unit, not one per decode step), and
-    the plain HF modules running on them: FSDP's forward hooks are set aside meanwhile (under a CUDA graph capture
-    or torch.compile their stream waits and Python state would be captured too). Resharded on exit. A no-op for a
-    plain model. Every rank must enter it together (the all-gathers are collectives)."""
+    """FSDP2: the full weights on every rank for generation (one all-gather per unit, not one per decode step),
+    resharded on exit; generation sets FSDP's forward hooks aside meanwhile (rollout.sampling), so the plain HF
+    modules run on them. A no-op for a plain model. Every rank must enter it together (the all-gathers are
+    collectives)."""
     units = fsdp_modules(model)
     for m in units:
         m.unshard()
-    hooks = [(m, m._forward_pre_hooks, m._forward_hooks) for m in units]
-    for m in units:
-        m._forward_pre_hooks, m._forward_hooks = type(m._forward_pre_hooks)(), type(m._forward_hooks)()
     try:
         yield
     finally:
-        for m, pre, post in hooks:
-            m._forward_pre_hooks, m._forward_hooks = pre, post
         for m in units:
             m.reshard()
 

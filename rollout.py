@@ -23,7 +23,9 @@ CHECK_EVERY steps. Sampling needs no host sync: the inverse CDF, min{k : sum_{j<
 kernels that read the logits about once (temperature only), or the exponential race argmax_k p_k / E_k,
 E_k ~ Exp(1), in torch ops behind HF's top-k/top-p warpers; both draw k with probability p_k (torch.multinomial
 would sync). On CUDA, for rollouts of COMPILE_MIN_TOKENS or more, the forward is torch.compile'd, which fuses the
-~30 small elementwise kernels a layer runs in eager mode (RMSNorm, RoPE, SiLU, residuals) into a handful.
+~30 small elementwise kernels a layer runs in eager mode (RMSNorm, RoPE, SiLU, residuals) into a handful. Sampling
+sets training's forward hooks aside (gradient checkpointing's, FSDP2's); a model torch.compile cannot trace decodes
+uncompiled, said in one printed line (LAST["compiled"], LAST["compile_error"]).
 
 The model keeps its transformers modules; the decode attention is registered as "nanogrpo_decode" (the model's own
 forward runs on it when FUSE is off or the layers are not llama/qwen2/qwen3-shaped), so any llama/qwen2/qwen3-style
@@ -37,6 +39,7 @@ import contextlib
 import math
 import sys
 import warnings
+import weakref
 from types import SimpleNamespace
 
 import torch
@@ -55,13 +58,14 @@ MIN_BUCKET = 8  # compaction never goes below this many slots
 COMPACT_MIN_STEPS = 32  # compact only if at least this many steps may remain (a capture costs ~2 steps)
 ATTENTION = "auto"  # decode attention: triton | torch | auto (triton on CUDA, torch elsewhere)
 SAMPLER = "auto"  # triton (inverse-CDF kernels; temperature only) | torch (any top-k/top-p) | auto: triton if it can
-COMPILE = True  # on CUDA: torch.compile the decode forward (fuses norms, RoPE, MLP; attention stays ours)...
+COMPILE = True  # torch.compile the decode forward (fuses norms, RoPE, MLP; attention stays ours)...
 COMPILE_MIN_TOKENS = 512  # ...from this many new tokens on: the first compile costs ~20 s, a step saves ~1 ms
+COMPILE_BACKEND = "inductor"  # on CUDA; on the CPU only another backend compiles (tests: aot_eager, no C++ compiler)
 FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); False: the model's own forward
 BLOCK_N = 64  # keys per block in the split kernel
 NUM_WARPS, NUM_STAGES = 4, 3  # the split kernel's launch
 SPLIT_WAVES = 2  # key splits: enough (slot, K/V head, split) programs to fill the GPU this many times over
-LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl (read by tests and benchmark)
+LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl, decode path (tests, benchmarks)
 
 # ----------------------------------------------------------------------------------------------------------------
 # decode attention: Triton split-K kernel, merge kernel, torch reference
@@ -378,17 +382,13 @@ def hf_generate_groups(model, prompt_ids, prompt_mask, G, max_new_tokens, temper
                        return_logprobs=False):
     """generate_groups' fallback for models its decode cannot handle: model.generate, same output format"""
     if temperature > 0:
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, num_return_sequences=G)
+        how = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, num_return_sequences=G)
     else:  # greedy: the G rows of a group are equal; HF refuses num_return_sequences > 1 without sampling
-        sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    was_training = model.training
-    model.eval()
-    try:
+        how = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    with sampling(model):
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens,
                              eos_token_id=eos.tolist(), pad_token_id=pad, return_dict_in_generate=True,
-                             output_scores=return_logprobs, **sampling)
-    finally:
-        model.train(was_training)
+                             output_scores=return_logprobs, **how)
     ids = out.sequences[:, prompt_ids.shape[1]:]  # (B*G, T), rows b*G + g (greedy: (B, T))
     logps = None if not return_logprobs else torch.stack(out.scores, 1).float().log_softmax(-1).gather(
         2, ids[..., None]).squeeze(2)  # scores: the logits after HF's warpers, one (rows, V) per step
@@ -460,7 +460,8 @@ def decode_forward(model, fused, st, tok, pos):
     return model.lm_head(trunk.norm(h))[:, -1]
 
 
-COMPILED = {}  # function -> its torch.compile wrapper, built once per process
+COMPILED = {}  # (function, backend) -> its torch.compile wrapper, built once per process
+UNCOMPILABLE = weakref.WeakKeyDictionary()  # model -> why torch.compile failed on its decode forward (not retried)
 
 
 def run_compiled(fn, *args):
@@ -471,10 +472,46 @@ def run_compiled(fn, *args):
     to any model dimension of the same size at trace time (128 slots = 2 K/V heads x 64) and recompile when a bucket
     breaks the tie (seen: 5-8 s inside a timed run)."""
     from torch.fx.experimental import _config as fx_config  # private, but in torch 2.1 through 2.13
-    if fn not in COMPILED:  # decode_forward has no graph break at all: fullgraph makes one an error
-        COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=fn is decode_forward)
+    key = (fn, COMPILE_BACKEND)
+    if key not in COMPILED:  # decode_forward has no graph break at all: fullgraph makes one an error
+        COMPILED[key] = torch.compile(fn, backend=COMPILE_BACKEND, dynamic=True, fullgraph=fn is decode_forward)
     with fx_config.patch(use_duck_shape=False):
-        return COMPILED[fn](*args)
+        return COMPILED[key](*args)
+
+
+def forward_compiled_or_not(model, fn, *args):
+    """run_compiled(fn, *args), or fn(*args) once torch.compile has failed on this model: a module it cannot trace
+    (a custom layer with data-dependent Python, say) costs the compiled forward's speed, with one printed line, not
+    the run. Training's hooks are no such case: generate_groups sets them aside (sampling). Compilation
+    happens in the graph's warm-up call, never inside a capture, so falling back there is safe."""
+    if model not in UNCOMPILABLE:
+        try:
+            return run_compiled(fn, *args)
+        except torch._dynamo.exc.TorchDynamoException as e:  # (Unsupported, BackendCompilerFailed, InductorError...)
+            first = next((line for line in str(e).splitlines() if line.strip()), "")
+            UNCOMPILABLE[model] = f"{type(e).__name__}: {first[:200]}"
+            print(f"rollout: torch.compile cannot compile {fn.__name__} for this model ({UNCOMPILABLE[model]}); "
+                  f"decoding with the uncompiled forward (CUDA graphs still on)", flush=True)
+    return fn(*args)
+
+
+@contextlib.contextmanager
+def sampling(model):
+    """the model as generation wants it, restored on exit: eval mode (no dropout, no gradient checkpointing) and
+    every module's forward hooks set aside. Generation is inference; the hooks are training's: gradient checkpointing's on the input embedding (output.requires_grad_(True), which
+    torch.compile cannot trace, and which would make every decode step build autograd state), FSDP2's
+    unshard/reshard on each unit (batching.gathered has unsharded the weights for the whole rollout; a CUDA graph
+    would capture their stream waits). A hook a user registers for training is set aside too."""
+    was_training, saved = model.training, [(m, m._forward_pre_hooks, m._forward_hooks) for m in model.modules()]
+    for m, pre, post in saved:
+        m._forward_pre_hooks, m._forward_hooks = type(pre)(), type(post)()
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, pre, post in saved:
+            m._forward_pre_hooks, m._forward_hooks = pre, post
+        model.train(was_training)
 
 
 def num_splits(n, kvh, device):
@@ -528,10 +565,8 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
     N, T = B * G, max_new_tokens
     attn_impl = ("triton" if dev.type == "cuda" else "torch") if ATTENTION == "auto" else ATTENTION
     graph = CUDA_GRAPH and dev.type == "cuda"
-    compiled = COMPILE and dev.type == "cuda" and T >= COMPILE_MIN_TOKENS
-    was_training = model.training
-    model.eval()  # no dropout, no checkpointing while sampling
-    try:
+    compiled = COMPILE and T >= COMPILE_MIN_TOKENS and (dev.type == "cuda" or COMPILE_BACKEND != "inductor")
+    with sampling(model):  # eval mode, no training hooks
         # 1) prefill each prompt once; its K/V (B, kvh, P, D) per layer are the shared prefix of its G rows
         pos = positions(prompt_mask)  # (B, P)
         cache = DynamicCache(config=model.config)
@@ -568,6 +603,8 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         forward_fn = decode_forward if fused is not None else model_forward
         LAST.clear()
         LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None)
+        if compiled and model in UNCOMPILABLE:  # said once, when it failed; decoded uncompiled since
+            compiled, LAST["compile_error"] = False, UNCOMPILABLE[model]
 
         def make_step(sl):
             st = SimpleNamespace(layers=layers, rows=sl.rows, done=sl.done, start=start, slot=slot, G=G,
@@ -576,7 +613,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
             def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)
                 args = (model, fused, st, sl.tok, sl.pos) if fused is not None else (model, sl.tok, sl.pos)
                 with contextlib.nullcontext() if fused is not None else decode_step(model, st):  # (state: an arg)
-                    return run_compiled(forward_fn, *args) if compiled else forward_fn(*args)
+                    return forward_compiled_or_not(model, forward_fn, *args) if compiled else forward_fn(*args)
 
             def step():
                 new, lp = draw(forward())  # (n,), (n,)
@@ -615,7 +652,8 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                 step()
                 s += 1
         LAST["steps"] = s - 1
-    finally:
-        model.train(was_training)
+        LAST["compiled"] = compiled and model not in UNCOMPILABLE
+        if model in UNCOMPILABLE:
+            LAST["compile_error"] = UNCOMPILABLE[model]
     n = int(keep.sum(1).max())  # columns after every row had finished are all padding
     return (ids[:, :n], keep[:, :n].long()) + ((logps[:, :n],) if return_logprobs else ())

@@ -778,6 +778,83 @@ def test_rollout_decode_forward_is_one_graph():
         n = int(mask[row].sum())
         assert ids[row, :n].tolist() == ref[row // 3][:n], f"row {row}"
 
+@check
+@_kv_one_thread
+def test_rollout_compiled_decode_under_gradient_checkpointing():
+    """the crash class of a real run: a policy with gradient checkpointing on (its input-grad hook on the embedding,
+    output.requires_grad_(True), which torch 2.11's dynamo refuses inside the fullgraph decode; 2.13's traces it)
+    and in train mode, as the trainer hands it over, decodes through the compiled path (run_compiled) as one graph,
+    for the fused forward and the model's own, and gives model.generate's greedy tokens. Every forward hook is set
+    aside while sampling (a hook that raises, the check on any torch, is never called) and back afterwards, with
+    train mode. aot_eager on the CPU, inductor on the GPU."""
+    import rollout
+    from torch._dynamo.utils import counters
+    model = _kv_model("qwen2", tied=True)
+    prompt_ids, prompt_mask, _, _ = _kv_batch(G=2, prompt_lens=(7, 2, 4), seed=5)
+    ref = _kv_generate_reference(model, prompt_ids, prompt_mask, 8, eos=99999)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+
+    def training_hook(module, args):
+        raise AssertionError("a training-time forward hook ran during generation")
+    handle = model.model.layers[0].mlp.register_forward_pre_hook(training_hook)
+    for fuse in (True, False):
+        torch._dynamo.reset()
+        rollout.COMPILED.clear()
+        counters.clear()
+        with _rollout_knobs(COMPILE_BACKEND="aot_eager", COMPILE_MIN_TOKENS=1, FUSE=fuse) as r:
+            ids, mask = r.generate_groups(model, prompt_ids, prompt_mask, 2, 8, temperature=0.0, eos_token_id=99999,
+                                          pad_token_id=0)
+            last = dict(r.LAST)
+        assert last["compiled"] and last["fused"] == fuse and "compile_error" not in last, f"FUSE={fuse}: {last}"
+        if fuse:  # (the model's own forward breaks the graph at each layer's attention op, by design)
+            assert counters["stats"]["unique_graphs"] == 1, f"{counters['stats']['unique_graphs']} graphs"
+        for row in range(ids.shape[0]):
+            assert ids[row].tolist() == ref[row // 2][:8], f"FUSE={fuse} row {row}"
+        assert model.training, "generate_groups left the model in eval mode"
+        assert len(model.model.embed_tokens._forward_hooks) == 1, "the input-grad hook was not put back"
+    torch._dynamo.reset()
+    rollout.COMPILED.clear()
+    handle.remove()
+    h = model.model.embed_tokens(prompt_ids)  # training forward: the input-grad hook still works
+    assert h.requires_grad, "gradient checkpointing's input-grad hook is gone after generation"
+
+
+@check
+@_kv_one_thread
+def test_rollout_uncompilable_model_falls_back_with_one_line():
+    """a model torch.compile cannot trace as one graph (here a final norm with a graph break, as a custom layer's
+    data-dependent Python would be) decodes uncompiled with the same tokens: one printed line saying why, the
+    reason in LAST, and no second attempt on the next call"""
+    import io
+    import rollout
+    model = _kv_model("llama")
+    prompt_ids, prompt_mask, _, _ = _kv_batch(G=2, prompt_lens=(7, 2, 4), seed=6)
+    ref = _kv_generate_reference(model, prompt_ids, prompt_mask, 6, eos=99999)
+    norm_forward = model.model.norm.forward
+
+    def custom_norm(x):
+        torch._dynamo.graph_break()
+        return norm_forward(x)
+    model.model.norm.forward = custom_norm
+    torch._dynamo.reset()
+    rollout.COMPILED.clear()
+    out = io.StringIO()
+    try:
+        with _rollout_knobs(COMPILE_BACKEND="aot_eager", COMPILE_MIN_TOKENS=1) as r, contextlib.redirect_stdout(out):
+            for _ in range(2):
+                ids, _ = r.generate_groups(model, prompt_ids, prompt_mask, 2, 6, temperature=0.0,
+                                           eos_token_id=99999, pad_token_id=0)
+                assert not r.LAST["compiled"] and r.LAST["compile_error"].startswith("Unsupported"), r.LAST
+    finally:
+        torch._dynamo.reset()
+        rollout.COMPILED.clear()
+    lines = [line for line in out.getvalue().splitlines() if "torch.compile" in line]
+    assert len(lines) == 1 and "uncompiled" in lines[0], f"printed: {out.getvalue()!r}"
+    for row in range(ids.shape[0]):
+        assert ids[row].tolist() == ref[row // 2][:6], f"row {row}"
+
+
 if GPU:
     @check
     @_kv_one_thread
