@@ -23,7 +23,7 @@ import math
 import torch
 
 from kv_reuse import completion_hidden
-from rollout import eos_tensor, generate_groups
+from rollout import LAST, eos_tensor, generate_groups
 from logprobs import token_logprobs
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
@@ -102,7 +102,7 @@ def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temp
             pad_token_id):
     """sample group_size completions per prompt; the returned dict is the generation buffer. eos_token_id: an int or
     a list (every id that ends a completion). sampler_logp: each token's log-prob as the sampler computed it (its
-    decode kernels, not the training forward's)"""
+    decode kernels, not the training forward's); decode: the path that sampled it (rollout.LAST["path"])"""
     completion_ids, completion_mask, sampler_logp = generate_groups(
         model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature=temperature, top_p=top_p,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, return_logprobs=True)  # (B*G, C) each
@@ -111,7 +111,8 @@ def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temp
     has_eos = (torch.isin(completion_ids, eos_tensor(eos_token_id, completion_ids.device))
                & (completion_mask == 1)).any(1)  # (B*G,)
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(), completion_ids=completion_ids,
-                completion_mask=completion_mask, truncated=~has_eos, group_size=group_size, sampler_logp=sampler_logp)
+                completion_mask=completion_mask, truncated=~has_eos, group_size=group_size, sampler_logp=sampler_logp,
+                decode=LAST["path"])
 
 
 def select_groups(buf, idx):

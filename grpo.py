@@ -458,7 +458,7 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
                  accuracy=sum(s[1] for s in sampled) / len(sampled),
                  sampling_tries=max(tries), groups=sum(p[4] for p in parts),
                  extra_rollouts=sum(t - 1 for t in tries) * n * G,
-                 sampled_frac_reward_zero_std=n_flat / (n * sum(tries)))
+                 sampled_frac_reward_zero_std=n_flat / (n * sum(tries)), decode=draws[0][0]["decode"])
     for i, name in enumerate(reward_names(cfg.reward)):
         stats[f"reward/{name}"] = statistics.fmean(s[2][i] for s in sampled)
     if cfg.soft_punish_cache:

@@ -557,6 +557,8 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                                        f"attn_implementation {impl!r} is not 'sdpa' or 'eager'")
     if why:  # the decode attention assumes full attention everywhere (no sliding window)
         warnings.warn(f"rollout.generate_groups: {why}; sampling with model.generate")
+        LAST.clear()
+        LAST.update(path="generate")
         return hf_generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature, top_p,
                                   top_k, eos, pad, return_logprobs)
     warpers = make_warpers(temperature, top_p, top_k)
@@ -655,5 +657,8 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         LAST["compiled"] = compiled and model not in UNCOMPILABLE
         if model in UNCOMPILABLE:
             LAST["compile_error"] = UNCOMPILABLE[model]
+        # the path in one word: compiled (+ graph on CUDA) | fallback (compile failed: uncompiled) | graph | eager
+        LAST["path"] = ("compiled" if LAST["compiled"] else "fallback" if "compile_error" in LAST else
+                        "graph" if graph else "eager")
     n = int(keep.sum(1).max())  # columns after every row had finished are all padding
     return (ids[:, :n], keep[:, :n].long()) + ((logps[:, :n],) if return_logprobs else ())

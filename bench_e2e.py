@@ -1,0 +1,219 @@
+"""
+The GPU end-to-end check: grpo.py as a researcher runs it, a few real steps per cell, on random-weight local HF
+directories built from configs (no hub). CI has no GPU, so this is what keeps the GPU paths alive: run it on the
+GPU before a change to rollout, batching, kv_reuse or grpo lands, and put its table in the change's note.
+
+    python bench_e2e.py                  # every cell: one row each (ok/error, gen s, update s, peak GiB, decode path)
+    python bench_e2e.py qwen3 gc         # only the cells whose name contains every word given
+    python bench_e2e.py --list           # the cells and their flags
+    python bench_e2e.py --model qwen2.5-7b DIR   # just build a random-weight model directory (bench_fsdp.sh 7b)
+
+Each cell is a fresh process (torchrun for the 2-GPU cells, skipped with fewer GPUs): `python bench_e2e.py --run
+[rollout.GLOBAL=value ...] --key=value ...` is grpo.train with those rollout globals set and, unless BENCH_SAVE=1,
+no checkpoint written (a cell measures steps; the CPU suite checks the checkpoints). gen and update are the last
+step's seconds (step 1 also compiles); "decode" is the path the last step's rollout took: compiled (torch.compile +
+CUDA graphs) | graph (CUDA graphs, eager forward: under COMPILE_MIN_TOKENS) | fallback (torch.compile failed on the
+model: graphs, uncompiled) | eager | generate (model.generate). Logs of every cell go to BENCH_DIR (/tmp/nanogrpo_e2e).
+
+The families keep what makes them differ (Qwen2.5: GQA 6, q/k/v bias, tied; Llama-3.2: head_dim 64, GQA 4, llama3
+RoPE scaling; Qwen3: q/k RMSNorm, head_dim 128) at their real widths and vocabularies, with 4 layers (the "/4L"
+cells) so that ~30 cells take minutes; the repro cells are the whole 28-layer Qwen2.5-1.5B.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+BENCH_DIR = os.environ.get("BENCH_DIR", "/tmp/nanogrpo_e2e")
+SHAPES = {  # family: (config class, config); the layer count is the real model's
+    "qwen2.5-1.5b": ("Qwen2Config", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                                         tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768)),
+    "qwen2.5-7b": ("Qwen2Config", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                       tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=32768)),
+    "llama3.2-1b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                        head_dim=64, tie_word_embeddings=True, rope_theta=500000.0,
+                                        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                                          high_freq_factor=4.0, original_max_position_embeddings=8192),
+                                        max_position_embeddings=131072)),
+    "qwen3-1.7b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                       head_dim=128, tie_word_embeddings=True, rope_theta=1e6,
+                                       max_position_embeddings=40960)),
+}
+
+
+def make_model_dir(family, path, layers=None):
+    """a random-weight bf16 HF directory of the family's shape (layers: fewer than the real model's), with a
+    character tokenizer padded to the vocabulary (ChatML template; <|im_end|> = id 2 is EOS, which a random model
+    practically never samples, so every completion runs to max_completion_len). Built on the GPU; kept if there."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    cls, cfg = SHAPES[family]
+    cfg = dict(cfg, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    V = cfg["vocab_size"]
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + [chr(i) for i in range(32, 127)] + ["\n"])}
+    vocab.update({f"<t{i}>": i for i in range(len(vocab), V)})
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
+                                               pad_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    config = getattr(transformers, cls)(**cfg)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = getattr(transformers, cls.replace("Config", "ForCausalLM"))(config)
+    torch.set_default_dtype(torch.float32)
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, path)  # a killed build leaves no half directory that looks whole
+    n = sum(p.numel() for p in model.parameters())
+    print(f"built {path}: {family}, {config.num_hidden_layers} layers, {n / 1e9:.2f} B parameters", flush=True)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the cells: name -> (model (family/layers), grpo flags, rollout globals, processes)
+# ---------------------------------------------------------------------------------------------------------------
+BASE = ["--prompts_per_step=8", "--group_size=8", "--max_steps=3", "--max_minutes=0", "--eval_every=0",
+        "--eval_size=8", "--eval_samples=0", "--max_prompt_len=512", "--temperature=1.0", "--lr=1e-6"]
+FAMILIES = ("qwen2.5-1.5b", "llama3.2-1b", "qwen3-1.7b")
+FEATURES = {  # each on the Qwen2.5 4-layer model, 1024 tokens (the compiled decode), checkpointing on
+    "beta": ["--beta=0.04"], "spg2": ["--steps_per_generation=2", "--num_iterations=2"],
+    "dynamic": ["--dynamic_sampling=True", "--max_sampling_tries=2"], "gspo": ["--importance_sampling_level=sequence"],
+    "entropy": ["--top_entropy_quantile=0.2"], "no-kv-reuse": ["--kv_reuse=False"], "naive": ["--logprob_impl=naive"],
+    "chunked": ["--logprob_impl=chunked"], "is-correction": ["--vllm_importance_sampling_correction=True"],
+    "fp32": ["--dtype=float32"], "cispo": ["--loss_type=cispo", "--epsilon_high=5.0"],
+}
+CELLS = {}
+for fam in FAMILIES:
+    for T in (64, 1024):
+        for gc in (False, True):
+            CELLS[f"{fam}/4L T={T}{' gc' if gc else ''}"] = (
+                f"{fam}/4", [f"--max_completion_len={T}", f"--gradient_checkpointing={gc}"], [], 1)
+for feat, flags in FEATURES.items():
+    CELLS[f"qwen2.5-1.5b/4L T=1024 gc {feat}"] = (
+        "qwen2.5-1.5b/4", ["--max_completion_len=1024", "--gradient_checkpointing=True"] + flags, [], 1)
+REPRO = ["--prompts_per_step=16", "--group_size=8", "--max_completion_len=1024", "--gradient_checkpointing=True"]
+CELLS["repro qwen2.5-1.5b T=1024 gc"] = ("qwen2.5-1.5b", REPRO, [], 1)  # issue 19's crash at step 0
+CELLS["repro qwen2.5-1.5b T=1024 gc COMPILE=False"] = ("qwen2.5-1.5b", REPRO, ["rollout.COMPILE=False"], 1)
+for fsdp in (True, False):  # the same global batch over 2 processes
+    CELLS[f"torchrun 2 qwen2.5-1.5b/4L T=1024 gc fsdp={fsdp}"] = (
+        "qwen2.5-1.5b/4", ["--max_completion_len=1024", "--gradient_checkpointing=True", f"--fsdp={fsdp}"], [], 2)
+    CELLS[f"torchrun 2 repro qwen2.5-1.5b fsdp={fsdp}"] = ("qwen2.5-1.5b", REPRO + [f"--fsdp={fsdp}"], [], 2)
+
+
+def run_cell(name, model, flags, sets, nproc):
+    """one cell in a fresh process; returns its table row (dict)"""
+    family, _, layers = model.partition("/")
+    model_dir = make_model_dir(family, os.path.join(BENCH_DIR, "models", model.replace("/", "_")),
+                               int(layers) if layers else None)
+    slug = "".join(c if c.isalnum() else "_" for c in name)
+    out_dir, log = os.path.join(BENCH_DIR, "out", slug), os.path.join(BENCH_DIR, "logs", slug + ".txt")
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    launch = ([sys.executable] if nproc == 1 else
+              [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"])
+    cmd = launch + [os.path.abspath(__file__), "--run"] + sets + BASE + flags + [
+        f"--model={model_dir}", f"--out_dir={out_dir}", "--overwrite=True"]
+    t0 = time.time()
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n\n")
+        f.flush()
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=os.path.dirname(os.path.abspath(__file__))
+                            ).returncode
+    wall = time.time() - t0
+    row = dict(cell=name, ok=rc == 0, wall=wall)
+    recs = []
+    if os.path.exists(os.path.join(out_dir, "log.jsonl")):
+        recs = [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl")) if line.strip()]
+    steps = [r for r in recs if "gen_s" in r]
+    if steps:
+        last = steps[-1]
+        row.update(steps=len(steps), gen=last["gen_s"], gen1=steps[0]["gen_s"], update=last["update_s"],
+                   peak=max(r["peak_gib"] for r in steps), decode=last.get("decode", "?"),
+                   len=last["completion_len_mean"])
+    if rc != 0 or len(steps) < 3:
+        text = open(log).read().splitlines()
+        errs = [line for line in text if "Error" in line or "error" in line] or text[-1:]
+        row["ok"], row["why"] = False, (errs[-1] if errs else f"exit {rc}").strip()[:160]
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return row
+
+
+def print_row(r):
+    if "gen" in r:
+        nums = (f"{r['gen']:6.2f} {r['gen1']:7.1f} {r['update']:7.2f} {r['peak']:6.1f} {r['len']:5.0f}  "
+                f"{r['decode']:<9}")
+    else:
+        nums = f"{'':6} {'':7} {'':7} {'':6} {'':5}  {'':9}"
+    status = "ok" if r["ok"] else "SKIP" if r.get("skipped") else "ERROR"
+    print(f"| {r['cell']:<48} {status:<5} {nums} {r['wall']:5.0f}s {r.get('why', '')}", flush=True)
+
+
+def main(args):
+    import torch
+    words = [a for a in args if not a.startswith("--")]
+    cells = {k: v for k, v in CELLS.items() if all(w in k for w in words)}
+    if "--list" in args:
+        for k, (model, flags, sets, nproc) in cells.items():
+            print(f"{k:<48} {model:<16} nproc={nproc} {' '.join(sets + flags)}")
+        return
+    gpus = torch.cuda.device_count()
+    print(f"GPU: {torch.cuda.get_device_name() if gpus else 'none'} x{gpus}, torch {torch.__version__}, "
+          f"transformers {__import__('transformers').__version__}, triton {__import__('triton').__version__}; "
+          f"{len(cells)} cells; base flags: {' '.join(BASE)}")
+    print(f"| {'cell':<48} {'':<5} {'gen s':>6} {'gen1 s':>7} {'upd s':>7} {'GiB':>6} {'len':>5}  {'decode':<9} wall")
+    rows = []
+    for name, (model, flags, sets, nproc) in cells.items():
+        if nproc > max(gpus, 1) or (nproc > 1 and not gpus):
+            row = dict(cell=name, ok=False, skipped=True, wall=0, why=f"needs {nproc} GPUs, {gpus} here")
+        else:
+            row = run_cell(name, model, flags, sets, nproc)
+        print_row(row)
+        rows.append(row)
+    ran = [r for r in rows if not r.get("skipped")]
+    print(f"{sum(r['ok'] for r in ran)} passed, {sum(not r['ok'] for r in ran)} failed, "
+          f"{len(rows) - len(ran)} skipped")
+    with open(os.path.join(BENCH_DIR, "table.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return all(r["ok"] for r in ran)
+
+
+def run(args):
+    """--run: grpo.train(args) in this process with the rollout globals given as rollout.NAME=value set first"""
+    import ast
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import checkpoint
+    import grpo
+    import rollout
+    for a in [a for a in args if a.startswith("rollout.")]:
+        key, val = a[len("rollout."):].split("=", 1)
+        setattr(rollout, key, ast.literal_eval(val))
+    if os.environ.get("BENCH_SAVE") != "1":  # grpo calls checkpoint.save_checkpoint
+        checkpoint.save_checkpoint = lambda *args, **kwargs: None
+    grpo.train([a for a in args if not a.startswith("rollout.")])
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if argv[:1] == ["--run"]:
+        run(argv[1:])
+    elif argv[:1] == ["--model"]:
+        make_model_dir(argv[1], argv[2])
+    else:
+        sys.exit(0 if main(argv) else 1)
