@@ -11,7 +11,7 @@ GPU before a change to rollout, batching, kv_reuse or grpo lands, and put its ta
 Each cell is a fresh process (torchrun for the 2-GPU cells, skipped with fewer GPUs): `python bench_e2e.py --run
 [rollout.GLOBAL=value ...] --key=value ...` is grpo.train with those rollout globals set and, unless BENCH_SAVE=1,
 no checkpoint written (a cell measures steps; the CPU suite checks the checkpoints). gen and update are the last
-step's seconds (step 1 also compiles); "decode" is the path the last step's rollout took: compiled (torch.compile +
+step's seconds (step 1 also compiles), gnorm its gradient norm (a reward with spread: digit_share); "decode" is the path the last step's rollout took: compiled (torch.compile +
 CUDA graphs) | graph (CUDA graphs, eager forward: under COMPILE_MIN_TOKENS) | fallback (torch.compile failed on the
 model: graphs, uncompiled) | eager | generate (model.generate). Logs of every cell go to BENCH_DIR (/tmp/nanogrpo_e2e).
 
@@ -20,6 +20,7 @@ RoPE scaling; Qwen3: q/k RMSNorm, head_dim 128) at their real widths and vocabul
 cells) so that ~30 cells take minutes; the repro cells are the whole 28-layer Qwen2.5-1.5B.
 """
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -91,11 +92,23 @@ def make_model_dir(family, path, layers=None):
 # the cells: name -> (model (family/layers), grpo flags, rollout globals, processes)
 # ---------------------------------------------------------------------------------------------------------------
 BASE = ["--prompts_per_step=8", "--group_size=8", "--max_steps=3", "--max_minutes=0", "--eval_every=0",
-        "--eval_size=8", "--eval_samples=0", "--max_prompt_len=512", "--temperature=1.0", "--lr=1e-6"]
+        "--eval_size=8", "--eval_samples=0", "--max_prompt_len=512", "--temperature=1.0", "--lr=1e-6",
+        "--reward=task,bench_e2e.py:digit_share"]  # (a random model never earns the task's reward: see digit_share)
+
+
+def digit_share(completion, example):
+    """the cells' second reward: the fraction of a completion's characters that are digits. A random model never
+    earns the arithmetic reward, so its groups would all have zero advantages and zero gradients, and a NaN or a
+    wrong shape in a backward would pass unseen; this reward differs between any two completions (the character
+    tokenizer writes most ids as "<tN>"), so every cell's update carries a real gradient."""
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+
 FAMILIES = ("qwen2.5-1.5b", "llama3.2-1b", "qwen3-1.7b")
 FEATURES = {  # each on the Qwen2.5 4-layer model, 1024 tokens (the compiled decode), checkpointing on
     "beta": ["--beta=0.04"], "spg2": ["--steps_per_generation=2", "--num_iterations=2"],
-    "dynamic": ["--dynamic_sampling=True", "--max_sampling_tries=2"], "gspo": ["--importance_sampling_level=sequence"],
+    "dynamic": ["--dynamic_sampling=True", "--max_sampling_tries=2", "--reward="],  # task reward: all groups flat
+    "gspo": ["--importance_sampling_level=sequence"],
     "entropy": ["--top_entropy_quantile=0.2"], "no-kv-reuse": ["--kv_reuse=False"], "naive": ["--logprob_impl=naive"],
     "chunked": ["--logprob_impl=chunked"], "is-correction": ["--vllm_importance_sampling_correction=True"],
     "fp32": ["--dtype=float32"], "cispo": ["--loss_type=cispo", "--epsilon_high=5.0"],
@@ -146,21 +159,23 @@ def run_cell(name, model, flags, sets, nproc):
         last = steps[-1]
         row.update(steps=len(steps), gen=last["gen_s"], gen1=steps[0]["gen_s"], update=last["update_s"],
                    peak=max(r["peak_gib"] for r in steps), decode=last.get("decode", "?"),
-                   len=last["completion_len_mean"])
-    if rc != 0 or len(steps) < 3:
+                   len=last["completion_len_mean"], gnorm=last.get("grad_norm", float("nan")))
+    bad = [r["step"] for r in steps if not all(math.isfinite(r.get(k, math.nan)) for k in ("loss", "grad_norm"))]
+    if rc != 0 or len(steps) < 3 or bad:
         text = open(log).read().splitlines()
         errs = [line for line in text if "Error" in line or "error" in line] or text[-1:]
-        row["ok"], row["why"] = False, (errs[-1] if errs else f"exit {rc}").strip()[:160]
+        why = f"loss or grad_norm not finite at steps {bad}" if rc == 0 and bad else errs[-1] if errs else f"exit {rc}"
+        row["ok"], row["why"] = False, why.strip()[:160]
     shutil.rmtree(out_dir, ignore_errors=True)
     return row
 
 
 def print_row(r):
     if "gen" in r:
-        nums = (f"{r['gen']:6.2f} {r['gen1']:7.1f} {r['update']:7.2f} {r['peak']:6.1f} {r['len']:5.0f}  "
-                f"{r['decode']:<9}")
+        nums = (f"{r['gen']:6.2f} {r['gen1']:7.1f} {r['update']:7.2f} {r['peak']:6.1f} {r['len']:5.0f} "
+                f"{r['gnorm']:7.3f}  {r['decode']:<9}")
     else:
-        nums = f"{'':6} {'':7} {'':7} {'':6} {'':5}  {'':9}"
+        nums = f"{'':6} {'':7} {'':7} {'':6} {'':5} {'':7}  {'':9}"
     status = "ok" if r["ok"] else "SKIP" if r.get("skipped") else "ERROR"
     print(f"| {r['cell']:<48} {status:<5} {nums} {r['wall']:5.0f}s {r.get('why', '')}", flush=True)
 
@@ -177,7 +192,8 @@ def main(args):
     print(f"GPU: {torch.cuda.get_device_name() if gpus else 'none'} x{gpus}, torch {torch.__version__}, "
           f"transformers {__import__('transformers').__version__}, triton {__import__('triton').__version__}; "
           f"{len(cells)} cells; base flags: {' '.join(BASE)}")
-    print(f"| {'cell':<48} {'':<5} {'gen s':>6} {'gen1 s':>7} {'upd s':>7} {'GiB':>6} {'len':>5}  {'decode':<9} wall")
+    print(f"| {'cell':<48} {'':<5} {'gen s':>6} {'gen1 s':>7} {'upd s':>7} {'GiB':>6} {'len':>5} {'gnorm':>7}  "
+          f"{'decode':<9} wall")
     rows = []
     for name, (model, flags, sets, nproc) in cells.items():
         if nproc > max(gpus, 1) or (nproc > 1 and not gpus):

