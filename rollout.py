@@ -4,11 +4,9 @@ Rollouts: G completions per prompt, sampled at reasoning lengths near the memory
 A decode step of B*G rows must read every weight once plus every live row's K/V. Three things decide how close we get:
 
 1. Attention reads only what exists, once. Each prompt is prefilled once and its K/V stay as they are, (B, kvh, P, D),
-   shared by its G rows; each row's own tokens go into a completion cache (B*G, kvh, T, D). One Triton kernel per
-   layer (split-K "flash decoding") takes a row's query heads for one K/V head (GQA inside the kernel, no repeat),
-   walks the prompt's real columns and the row's written columns only, writes this step's K/V into the cache on
-   the way, and a second kernel merges the splits by log-sum-exp:
-       o = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),   M = max_s lse_s
+   shared by its G rows; each row's own tokens go into a completion cache (B*G, kvh, T, D). decode_kernels.py's
+   split-K Triton kernel walks the prompt's real columns and the row's written columns only (GQA inside the kernel,
+   no repeat) and writes this step's K/V into the cache on the way.
 2. Finished rows stop costing. Rows live in "slots"; slot i decodes cache row rows[i]. Every CHECK_EVERY steps the
    host reads which rows are done; when the live ones fit a bucket of half the slots or fewer (powers of two), they
    are compacted into a smaller batch with its own captured graph. Finished rows never run attention (the kernel
@@ -19,13 +17,11 @@ A decode step of B*G rows must read every weight once plus every live row's K/V.
    once per call (FUSE; 7 GEMMs a layer become 4).
 
 Each decode step (model forward, sampling, bookkeeping) is one CUDA graph replay; the host only checks "done" every
-CHECK_EVERY steps. Sampling needs no host sync: the inverse CDF, min{k : sum_{j<=k} p_j > u}, in two Triton
-kernels that read the logits about once (temperature only), or the exponential race argmax_k p_k / E_k,
-E_k ~ Exp(1), in torch ops behind HF's top-k/top-p warpers; both draw k with probability p_k (torch.multinomial
-would sync). On CUDA, for rollouts of COMPILE_MIN_TOKENS or more, the forward is torch.compile'd, which fuses the
-~30 small elementwise kernels a layer runs in eager mode (RMSNorm, RoPE, SiLU, residuals) into a handful. Sampling
-sets training's forward hooks aside (gradient checkpointing's, FSDP2's); a model torch.compile cannot trace decodes
-uncompiled, said in one printed line (LAST["compiled"], LAST["compile_error"]).
+CHECK_EVERY steps. Sampling needs no host sync either (decode_kernels.py: inverse-CDF Triton kernels, or torch ops
+behind HF's top-k/top-p warpers). On CUDA, for rollouts of COMPILE_MIN_TOKENS or more, the forward is
+torch.compile'd, which fuses the ~30 small elementwise kernels a layer runs in eager mode (RMSNorm, RoPE, SiLU,
+residuals) into a handful. Sampling sets training's forward hooks aside (gradient checkpointing's, FSDP2's); a model
+torch.compile cannot trace decodes uncompiled, said in one printed line (LAST["compiled"], LAST["compile_error"]).
 
 The model keeps its transformers modules; the decode attention is registered as "nanogrpo_decode" (the model's own
 forward runs on it when FUSE is off or the layers are not llama/qwen2/qwen3-shaped), so any llama/qwen2/qwen3-style
@@ -36,7 +32,6 @@ outputs.
                     top_k=0, eos_token_id=None, pad_token_id=None) -> (completion_ids, completion_mask) (B*G, C)
 """
 import contextlib
-import math
 import sys
 import warnings
 import weakref
@@ -45,11 +40,11 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from decode_kernels import decode_attention_op, sample, sample_triton
 from kv_reuse import positions, reuse_unsupported, trim_left_padding
 
 CUDA_GRAPH = True  # on CUDA: capture each decode step (forward + sampling) as a graph and replay it per token
@@ -62,169 +57,9 @@ COMPILE = True  # torch.compile the decode forward (fuses norms, RoPE, MLP; atte
 COMPILE_MIN_TOKENS = 512  # ...from this many new tokens on: the first compile costs ~20 s, a step saves ~1 ms
 COMPILE_BACKEND = "inductor"  # on CUDA; on the CPU only another backend compiles (tests: aot_eager, no C++ compiler)
 FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); False: the model's own forward
-BLOCK_N = 64  # keys per block in the split kernel
-NUM_WARPS, NUM_STAGES = 4, 3  # the split kernel's launch
-SPLIT_WAVES = 2  # key splits: enough (slot, K/V head, split) programs to fill the GPU this many times over
 LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl, decode path (tests, benchmarks)
 
-# ----------------------------------------------------------------------------------------------------------------
-# decode attention: Triton split-K kernel, merge kernel, torch reference
-
-
-@triton.jit
-def _attend_columns(k_ptr, v_ptr, base, stride_l, j_lo, j_hi, q, m_i, l_i, acc, qk_scale,
-                    D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """online softmax of the (QPK_PAD, D) queries over columns [j_lo, j_hi) of one K/V buffer (base + j * stride_l),
-    block by block (log2 units); returns the updated running max m_i, sum l_i and output acc"""
-    offs_d = tl.arange(0, D)
-    for j0 in range(j_lo, j_hi, BLOCK_N):
-        offs_j = j0 + tl.arange(0, BLOCK_N)
-        valid = offs_j < j_hi
-        ptrs = base + offs_j[:, None] * stride_l + offs_d[None, :]
-        k = tl.load(k_ptr + ptrs, mask=valid[:, None], other=0.)  # (BLOCK_N, D)
-        v = tl.load(v_ptr + ptrs, mask=valid[:, None], other=0.)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (QPK_PAD, BLOCK_N)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # every block has a valid key, so m_new is finite
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_ptr, rows_ptr, done_ptr, start_ptr,
-                         slot_ptr, o_ptr, lse_ptr, out_ptr, G, P, qk_scale,
-                         stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-                         stride_pb, stride_ph, stride_pl, stride_cn, stride_ch, stride_cl,
-                         QPK: tl.constexpr, QPK_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         SPLITS: tl.constexpr, PRECISION: tl.constexpr):
-    """program (slot, kv head, split): the QPK query heads of one K/V head against one contiguous range [lo, hi) of
-    the row's keys, numbered [prompt's real columns | completion columns 0..t]; t = slot_ptr[0] is this step's
-    column. The split that owns column t first stores this step's K/V there (knew/vnew)."""
-    pid_n, pid_h, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row = tl.load(rows_ptr + pid_n).to(tl.int64)
-    b = row // G
-    n_pre = P - tl.load(start_ptr + b)  # the prompt's real (unpadded) columns
-    t = tl.load(slot_ptr)
-    total = n_pre + t + 1
-    per = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N  # keys per split, whole blocks
-    lo = pid_s * per
-    hi = tl.minimum(lo + per, total)
-    hi = tl.where(tl.load(done_ptr + pid_n) != 0, lo, hi)  # a finished row attends nothing (output 0)
-    offs_d = tl.arange(0, D)
-    offs_q = tl.arange(0, QPK_PAD)
-    heads = pid_h * QPK + offs_q
-    q_ok = offs_q < QPK
-    q = tl.load(q_ptr + pid_n * stride_qn + heads[:, None] * stride_qh + offs_d[None, :], mask=q_ok[:, None], other=0.)
-    c_off = row * stride_cn + pid_h * stride_ch
-    if (hi == total) & (lo < hi):  # write this step's K/V into the cache, then read it back like any column
-        tl.store(ck_ptr + c_off + t * stride_cl + offs_d, tl.load(knew_ptr + pid_n * stride_kn + pid_h * stride_kh +
-                                                                  offs_d))
-        tl.store(cv_ptr + c_off + t * stride_cl + offs_d, tl.load(vnew_ptr + pid_n * stride_vn + pid_h * stride_vh +
-                                                                  offs_d))
-        tl.debug_barrier()  # the block's stores are visible to its own loads after the barrier
-    m_i = tl.full([QPK_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([QPK_PAD], tl.float32)
-    acc = tl.zeros([QPK_PAD, D], tl.float32)
-    # keys [lo, hi) in the prompt: columns P - n_pre + j of the shared prefix (b, kvh); then in the completion:
-    # columns j - n_pre of this row's cache
-    p_base = b * stride_pb + pid_h * stride_ph + (P - n_pre) * stride_pl
-    m_i, l_i, acc = _attend_columns(pk_ptr, pv_ptr, p_base, stride_pl, lo, tl.minimum(hi, n_pre), q, m_i, l_i, acc,
-                                    qk_scale, D, BLOCK_N, PRECISION)
-    m_i, l_i, acc = _attend_columns(ck_ptr, cv_ptr, c_off, stride_cl, tl.maximum(lo - n_pre, 0), hi - n_pre, q, m_i,
-                                    l_i, acc, qk_scale, D, BLOCK_N, PRECISION)
-    l_safe = tl.where(l_i > 0, l_i, 1.)
-    nh = pid_n * (QPK * tl.num_programs(1)) + heads  # flat (slot, head)
-    if SPLITS == 1:  # the only split: write the output itself, (n, 1, h, D)
-        tl.store(out_ptr + nh[:, None] * D + offs_d[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=q_ok[:, None])
-    else:
-        tl.store(o_ptr + (nh * SPLITS + pid_s)[:, None] * D + offs_d[None, :], acc / l_safe[:, None],
-                 mask=q_ok[:, None])
-        tl.store(lse_ptr + nh * SPLITS + pid_s, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=q_ok)
-
-
-@triton.jit
-def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr):
-    """program (slot*h + head): merge the SPLITS partial outputs by their log-sum-exp (log2 units)"""
-    pid = tl.program_id(0)
-    offs_s = tl.arange(0, SPLITS)
-    offs_d = tl.arange(0, D)
-    lse = tl.load(lse_ptr + pid * SPLITS + offs_s)
-    m = tl.max(lse, 0)
-    w = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(m > float("-inf"), m, 0.)), 0.)  # (SPLITS,)
-    o = tl.load(o_ptr + (pid * SPLITS + offs_s)[:, None] * D + offs_d[None, :])
-    den = tl.sum(w, 0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(den > 0, den, 1.)
-    tl.store(out_ptr + pid * D + offs_d, out.to(out_ptr.dtype.element_ty))
-
-
-def decode_attention_triton(q, k_new, v_new, layer, st, scale):
-    """q (n, h, 1, D), k_new/v_new (n, kvh, 1, D) -> (n, 1, h, D); writes k_new/v_new into the cache at st.slot"""
-    n, h, _, D = q.shape
-    kvh = k_new.shape[1]
-    pk, pv, ck, cv = layer
-    assert q.stride(-1) == k_new.stride(-1) == v_new.stride(-1) == pk.stride(-1) == ck.stride(-1) == 1 and \
-        pk.stride() == pv.stride() and ck.stride() == cv.stride()  # (k_new and v_new may differ: views of q|k|v)
-    S = st.splits
-    out = torch.empty(n, 1, h, D, dtype=q.dtype, device=q.device)
-    o = torch.empty(n, h, S, D, dtype=torch.float32, device=q.device) if S > 1 else out
-    lse = torch.empty(n, h, S, dtype=torch.float32, device=q.device) if S > 1 else out
-    QPK = h // kvh
-    _decode_split_kernel[(n, kvh, S)](
-        q, k_new, v_new, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot, o, lse, out, st.G, pk.shape[2],
-        scale * 1.4426950408889634, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
-        v_new.stride(1),
-        pk.stride(0), pk.stride(1), pk.stride(2), ck.stride(0), ck.stride(1), ck.stride(2),
-        QPK=QPK, QPK_PAD=max(16, triton.next_power_of_2(QPK)), D=D, BLOCK_N=BLOCK_N, SPLITS=S,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # an fp32 model gets fp32 attention, not TF32
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    if S > 1:
-        _decode_merge_kernel[(n * h,)](o, lse, out, D=D, SPLITS=S, num_warps=1)
-    return out
-
-
-def decode_attention_torch(q, k_new, v_new, layer, st, scale):
-    """reference (and the CPU path): the same function with plain torch ops, reading the whole cache under a mask"""
-    pk, pv, ck, cv = layer
-    rows, t = st.rows, st.slot  # (n,), (1,)
-    ck[rows, :, t] = k_new[:, :, 0]  # (n, kvh, D) into column t of each slot's row
-    cv[rows, :, t] = v_new[:, :, 0]
-    b = rows // st.G
-    keys = torch.cat([pk[b], ck[rows]], dim=2)  # (n, kvh, P+T, D)
-    values = torch.cat([pv[b], cv[rows]], dim=2)
-    P, cols = pk.shape[2], torch.arange(keys.shape[2], device=q.device)
-    ok = torch.where(cols < P, cols >= st.start[b][:, None], cols - P <= t)  # (n, P+T)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, keys, values, attn_mask=ok[:, None, None, :], scale=scale, enable_gqa=True)  # (n, h, 1, D)
-    return out.masked_fill(st.done[:, None, None, None], 0).transpose(1, 2)  # (n, 1, h, D), finished rows 0
-
-
 DECODE_STATE = []  # the decode state of the step being run (or captured): caches, slot -> row map, column
-
-
-@torch.library.custom_op("nanogrpo::decode_attention", mutates_args=("ck", "cv"))
-def decode_attention_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pk: torch.Tensor,
-                        pv: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, done: torch.Tensor,
-                        start: torch.Tensor, slot: torch.Tensor, G: int, scale: float, impl: str) -> torch.Tensor:
-    """decode_forward's attention as a torch op: the decode state comes in as arguments (no global), and
-    torch.compile traces the whole forward as one graph with this op inside it (it knows the op writes ck/cv),
-    where a compiler-disabled function would break the graph at every layer. (n, 1, h, D), in pk's dtype: under
-    autocast with fp32 weights RoPE hands back fp32 q/k beside a bf16 v, so all three are cast to the caches'."""
-    dt = pk.dtype
-    st = SimpleNamespace(rows=rows, done=done, start=start, slot=slot, G=G,
-                         splits=num_splits(rows.shape[0], pk.shape[1], q.device))
-    fn = decode_attention_triton if impl == "triton" else decode_attention_torch
-    return fn(q.to(dt), k_new.to(dt), v_new.to(dt), (pk, pv, ck, cv), st, scale).contiguous()
-
-
-@decode_attention_op.register_fake
-def _(q, k_new, v_new, pk, pv, ck, cv, rows, done, start, slot, G, scale, impl):
-    n, h, _, D = q.shape
-    return q.new_empty(n, 1, h, D, dtype=pk.dtype)
 
 
 @torch.compiler.disable  # under COMPILE the launches stay as they are (the CUDA graph captures them anyway)
@@ -268,84 +103,6 @@ def make_warpers(temperature, top_p, top_k):
     warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
     warpers += [TopKLogitsWarper(top_k)] if top_k > 0 else []
     return warpers + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])
-
-
-def sample(logits, warpers):
-    """(n, V) logits -> (n,) tokens with torch ops (any warpers), and their log-probs under the distribution they
-    were drawn from (greedy: plain softmax). Exponential race: argmax_k p_k / E_k with E_k ~ Exp(1) iid picks k with
-    probability p_k (the minimum of independent Exp(p_k)), with no host sync. E is clamped away from 0, where a
-    token of probability 0 would tie."""
-    logits = logits.float()
-    for w in warpers or []:
-        logits = w(None, logits)
-    logp = torch.log_softmax(logits, dim=-1)
-    tok = logits.argmax(-1) if warpers is None else (logp.exp() / torch.empty_like(logp).exponential_().clamp_min_(
-        1e-30)).argmax(-1)
-    return tok, logp.gather(1, tok[:, None]).squeeze(1)
-
-
-@triton.jit
-def _sample_blocks_kernel(logits_ptr, part_ptr, V, stride_n, inv_temp, BLOCK_V: tl.constexpr):
-    """program (row, block): over the block's vocabulary ids, with z = logits / T, m_b = max z and
-    s_b = sum exp(z - m_b). part: (n, blocks, 2) = (m_b, s_b). One read of the logits, one exp per id."""
-    row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
-    z = tl.load(logits_ptr + row * stride_n + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temp
-    m = tl.max(z, 0)
-    s = tl.sum(tl.exp(z - tl.where(m > float("-inf"), m, 0.)), 0)
-    out = part_ptr + (row * tl.num_programs(1) + blk) * 2
-    tl.store(out, m)
-    tl.store(out + 1, s)
-
-
-@triton.jit
-def _sample_pick_kernel(logits_ptr, part_ptr, tok_ptr, logp_ptr, seed_ptr, V, stride_n, inv_temp, BLOCKS,
-                        BLOCKS_PAD: tl.constexpr, BLOCK_V: tl.constexpr):
-    """program row: inverse CDF, k = min{k : sum_{j<=k} p_j > u}, u ~ U(0, 1) from Philox(seed, row). With
-    M = max_b m_b, w_b = s_b exp(m_b - M) is block b's mass times W = sum_b w_b: the block is the first whose
-    cumulative mass passes u W, the id the first in it whose running sum exp(z - M) passes what is left. Only that
-    block's logits are read again. log p_k = z_k - (M + log W)."""
-    row = tl.program_id(0).to(tl.int64)
-    offs_b = tl.arange(0, BLOCKS_PAD)
-    b_ok = offs_b < BLOCKS
-    m_b = tl.load(part_ptr + (row * BLOCKS + offs_b) * 2, mask=b_ok, other=float("-inf"))
-    s_b = tl.load(part_ptr + (row * BLOCKS + offs_b) * 2 + 1, mask=b_ok, other=0.)
-    M = tl.max(m_b, 0)
-    w = tl.where(m_b > float("-inf"), s_b * tl.exp(m_b - M), 0.)
-    W = tl.sum(w, 0)
-    target = tl.rand(tl.load(seed_ptr), row) * W
-    cum = tl.cumsum(w, 0)
-    last = tl.max(tl.where(w > 0, offs_b, 0), 0)  # u W may round up to W: never past the last block with mass
-    b = tl.minimum(tl.sum(tl.where(b_ok & (cum <= target), 1, 0), 0), last)
-    r = target - tl.sum(tl.where(offs_b < b, w, 0.), 0)  # the mass left to pass inside block b
-    offs = b * BLOCK_V + tl.arange(0, BLOCK_V)
-    z = tl.load(logits_ptr + row * stride_n + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temp
-    p = tl.exp(z - M)
-    hit = (tl.cumsum(p, 0) > r) & (p > 0)
-    big = b * BLOCK_V + BLOCK_V
-    k = tl.min(tl.where(hit, offs, big), 0)
-    k = tl.where(k == big, tl.max(tl.where(p > 0, offs, 0), 0), k)  # rounding left nothing: the block's last id
-    tl.store(tok_ptr + row, k)
-    tl.store(logp_ptr + row, tl.sum(tl.where(offs == k, z, 0.), 0) - (M + tl.log(W)))
-
-
-def sample_triton(logits, seed, temperature, BLOCK_V=2048):
-    """(n, V) logits (any float dtype) -> (n,) tokens drawn from softmax(logits / temperature) and their log-probs
-    under it (n,); seed (1,) int64 on the device, advanced by one per call (inside a CUDA graph too). Two kernels:
-    per-block max and exp-sums over all (row, block) pairs (enough programs at any row count), then one program a
-    row picks its block and id. ~one read of the logits: the Gumbel-max kernel this replaces drew a random number
-    and took two logs per id (128 us a step at 128 rows x 152k ids on an H100, compute-bound)."""
-    n, V = logits.shape
-    blocks = triton.cdiv(V, BLOCK_V)
-    part = torch.empty(n, blocks, 2, dtype=torch.float32, device=logits.device)
-    tok = torch.empty(n, dtype=torch.long, device=logits.device)
-    logp = torch.empty(n, dtype=torch.float32, device=logits.device)
-    _sample_blocks_kernel[(n, blocks)](logits, part, V, logits.stride(0), 1.0 / temperature, BLOCK_V=BLOCK_V,
-                                       num_warps=8)
-    _sample_pick_kernel[(n,)](logits, part, tok, logp, seed, V, logits.stride(0), 1.0 / temperature, blocks,
-                              BLOCKS_PAD=max(16, triton.next_power_of_2(blocks)), BLOCK_V=BLOCK_V, num_warps=8)
-    seed.add_(1)
-    return tok, logp
 
 
 CAPTURE = {}  # device index -> [side stream, latest decode graph], reused by the next capture (see graphed)
@@ -498,10 +255,11 @@ def forward_compiled_or_not(model, fn, *args):
 @contextlib.contextmanager
 def sampling(model):
     """the model as generation wants it, restored on exit: eval mode (no dropout, no gradient checkpointing) and
-    every module's forward hooks set aside. Generation is inference; the hooks are training's: gradient checkpointing's on the input embedding (output.requires_grad_(True), which
-    torch.compile cannot trace, and which would make every decode step build autograd state), FSDP2's
-    unshard/reshard on each unit (batching.gathered has unsharded the weights for the whole rollout; a CUDA graph
-    would capture their stream waits). A hook a user registers for training is set aside too."""
+    every module's forward hooks set aside. Generation is inference; the hooks are training's: gradient
+    checkpointing's on the input embedding (output.requires_grad_(True), which torch 2.11's compiler refuses inside
+    the one-graph decode, and which would make every decode step build autograd state), FSDP2's unshard/reshard on
+    each unit (batching.gathered has unsharded the weights for the whole rollout; a CUDA graph would capture their
+    stream waits). A hook a user registers for training is set aside too."""
     was_training, saved = model.training, [(m, m._forward_pre_hooks, m._forward_hooks) for m in model.modules()]
     for m, pre, post in saved:
         m._forward_pre_hooks, m._forward_hooks = type(pre)(), type(post)()
@@ -512,14 +270,6 @@ def sampling(model):
         for m, pre, post in saved:
             m._forward_pre_hooks, m._forward_hooks = pre, post
         model.train(was_training)
-
-
-def num_splits(n, kvh, device):
-    """key splits per (slot, K/V head): enough (slot, K/V head, split) programs to fill the GPU SPLIT_WAVES times"""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(64, triton.next_power_of_2(math.ceil(SPLIT_WAVES * sms / (n * kvh)))))
 
 
 # ----------------------------------------------------------------------------------------------------------------

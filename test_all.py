@@ -63,6 +63,7 @@ import logprobs as _logprobs  # noqa: E402
 from kernel import fused_logprobs  # noqa: E402
 from logprobs import token_logprobs  # noqa: E402
 import config  # noqa: E402  (grpo's knobs and checks)
+import decode_kernels  # noqa: E402
 
 
 def _kl_ref(h, w, t, T, g, g_ent, entropy=True):
@@ -626,8 +627,8 @@ def test_rollout_attention_kernel_vs_torch():
         q, k_new = rnd(n, 1, h, D).transpose(1, 2), rnd(n, kvh, 1, D)
         v_new = rnd(n, 1, 3 * kvh, D)[:, :, kvh:2 * kvh].transpose(1, 2)  # a slice of q|k|v: its own strides
         got_cache, want_cache = (ck.clone(), cv.clone()), (ck.clone(), cv.clone())
-        got = rollout.decode_attention_triton(q, k_new, v_new, (pk, pv, *got_cache), st, D ** -0.5)
-        want = rollout.decode_attention_torch(q, k_new, v_new, (pk, pv, *want_cache), st, D ** -0.5)
+        got = decode_kernels.decode_attention_triton(q, k_new, v_new, (pk, pv, *got_cache), st, D ** -0.5)
+        want = decode_kernels.decode_attention_torch(q, k_new, v_new, (pk, pv, *want_cache), st, D ** -0.5)
         live, name = ~st.done, f"N={N} h={h} kvh={kvh} P={P} t={t} splits={S}"
         assert got.shape == (n, 1, h, D), name
         assert_close(got[live], want[live], 1e-5, name)
@@ -650,10 +651,11 @@ def test_rollout_sampler_kernel_draws_softmax():
     logits[ids] = torch.tensor([0.1, 0.2, 0.3, 0.4]).log() * T  # softmax(logits / T) = 0.1, 0.2, 0.3, 0.4
     for block, n in ((1024, n), (4096, 40)):  # (one block: the ids and log-probs only)
         seed = torch.tensor([123], device=DEVICE)
-        a, logp = (x.cpu() for x in rollout.sample_triton(logits.to(DEVICE).expand(n, V), seed, T, BLOCK_V=block))
+        a, logp = (x.cpu() for x in decode_kernels.sample_triton(logits.to(DEVICE).expand(n, V), seed, T,
+                                                                 BLOCK_V=block))
         assert seed.item() == 124, "seed not advanced"
         if block == 1024:
-            b, _ = rollout.sample_triton(logits.to(DEVICE).expand(n, V), torch.tensor([123], device=DEVICE), T,
+            b, _ = decode_kernels.sample_triton(logits.to(DEVICE).expand(n, V), torch.tensor([123], device=DEVICE), T,
                                          BLOCK_V=block)
             assert torch.equal(a, b.cpu()), "same seed, different draws"
         assert torch.isin(a, ids).all(), f"drew an id of probability ~0: {a[~torch.isin(a, ids)].tolist()}"
@@ -661,7 +663,7 @@ def test_rollout_sampler_kernel_draws_softmax():
         assert block > V or (freq - torch.tensor([.1, .2, .3, .4])).abs().max() < 0.12, f"block {block}: {freq}"
         assert_close(logp, torch.log_softmax(logits / T, -1)[a], 1e-5, "log-prob of the draws")
     flat = torch.zeros(5000, device=DEVICE)  # uniform over 5000 ids, 3 blocks: every block gets its share
-    a, _ = rollout.sample_triton(flat.expand(200, 5000), torch.tensor([9], device=DEVICE), 1.0, BLOCK_V=2048)
+    a, _ = decode_kernels.sample_triton(flat.expand(200, 5000), torch.tensor([9], device=DEVICE), 1.0, BLOCK_V=2048)
     counts = torch.bincount(a.cpu() // 2048, minlength=3).float() / 200
     assert (counts - torch.tensor([2048, 2048, 904]) / 5000).abs().max() < 0.1, f"block frequencies {counts}"
 
