@@ -37,6 +37,8 @@ max_sampling_tries = 4  # dynamic sampling: at most this many draws of prompts_p
 difficulty = 1  # arithmetic: digits per operand; countdown: how many numbers (difficulty + 1)
 max_steps = 1000  # generation batches (each followed by num_iterations * steps_per_generation optimizer steps)
 max_minutes = 5.0  # stop the loop after this much wall time, start-up included (0 = none); final eval + save after
+max_flat_steps = 50  # stop once this many steps in a row sampled no group with reward spread (0 = never): such a
+# step has zero advantages everywhere, so its gradient is 0 and the policy cannot move; the run is stuck, not learning
 prompts_per_step = 32
 group_size = 16  # completions per prompt: 8 found the minus sign (23% of answers) in 4 of 7 runs, 16 in 9 of 11
 max_prompt_len = 256
@@ -70,6 +72,7 @@ micro_batch_tokens = 32768  # token budget of a micro-batch (whole groups of P +
 device = "auto"  # auto | cuda | cpu
 dtype = "bfloat16"  # the model runs in this dtype; AdamW steps float32 master copies (see make_optimizer)
 seed = 1337
+deterministic = False  # the same log for the same command, GPU and software: deterministic kernels (README: cost)
 eval_every = 10
 eval_size = 100
 eval_pass_k = 0  # also sample this many completions per held-out prompt at eval_temperature: pass@k (0 = off)
@@ -140,11 +143,11 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
                                               "num_iterations", "micro_batch_tokens", "eval_size", "difficulty",
                                               "steps_per_generation", "max_sampling_tries")},
     **{k: (lambda v: v >= 0, ">= 0") for k in ("warmup_steps", "eval_every", "save_every", "eval_pass_k",
-                                              "soft_punish_cache", "eval_samples")},
+                                              "soft_punish_cache", "eval_samples", "max_flat_steps")},
 }
 FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite", "mask_truncated_completions",
-             "kv_reuse", "gradient_checkpointing", "task", "eval_file", "reward", "reward_weights",
-             "dynamic_sampling", "vllm_importance_sampling_correction", "fsdp")  # strings checked below, and booleans
+             "kv_reuse", "gradient_checkpointing", "task", "eval_file", "reward", "reward_weights", "dynamic_sampling",
+             "vllm_importance_sampling_correction", "fsdp", "deterministic")  # strings checked below, and booleans
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 

@@ -245,6 +245,9 @@ def train(argv):
     t_start = time.time()
     cfg = parse_config(argv)
     dev, dt = resolve(cfg)  # every value checked: a bad one is refused before anything loads or is written
+    if cfg.deterministic:  # before the first cuBLAS call: its split reductions follow the workspace config
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)  # e.g. SDPA's backward without atomics (flash: dQ, mem-efficient)
     r, world, dev = setup_distributed(cfg, dev)  # (rank 0 of 1 without torchrun)
     try:
         print("config:", json.dumps(vars(cfg)), f"(resolved device={dev}, logprob_impl={cfg.logprob_impl}"
@@ -263,6 +266,8 @@ def train(argv):
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()
+        if cfg.deterministic:
+            torch.use_deterministic_algorithms(False)  # (train called in a process that goes on: the tests)
 
 
 def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
@@ -322,6 +327,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
 
     pbar = tqdm(range(step + 1, cfg.max_steps + 1), initial=step, total=cfg.max_steps, desc="grpo", dynamic_ncols=True,
                 disable=r != 0)
+    flat = 0  # steps in a row that sampled no group with reward spread (max_flat_steps)
     for step in pbar:
         for g in optimizer.param_groups:  # linear warmup, then constant (stateless, so resume needs nothing)
             g["lr"] = cfg.lr * min(1.0, step / max(cfg.warmup_steps, 1))
@@ -359,7 +365,9 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
                    minutes=(time.time() - t_start) / 60)
         rec = {k: v for k, v in rec.items() if not (isinstance(v, float) and math.isnan(v))}  # strict JSON: no NaN
         out_of_time = rank0_value(cfg.max_minutes > 0 and time.time() - t_start > cfg.max_minutes * 60)  # all stop
-        last = step == cfg.max_steps or out_of_time
+        flat = flat + 1 if rec["sampled_frac_reward_zero_std"] == 1.0 else 0  # (over every rank's groups)
+        stuck = cfg.max_flat_steps > 0 and flat >= cfg.max_flat_steps
+        last = step == cfg.max_steps or out_of_time or stuck
         if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or last:  # every rank: the eval is sharded
             with gathered(policy):
                 rec.update(evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev))
@@ -373,6 +381,11 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
             checkpoint.save_checkpoint(cfg, policy, master, tokenizer, optimizer, step)
         if out_of_time:
             tqdm.write(f"max_minutes={cfg.max_minutes} reached after step {step}")
+            break
+        if stuck:
+            tqdm.write(f"stopped after step {step}: for {flat} steps in a row every sampled group's rewards were "
+                       f"equal (zero advantages, zero gradient), so the policy could not change (max_flat_steps="
+                       f"{cfg.max_flat_steps}); more exploration (--temperature, --group_size) or another task helps")
             break
     pbar.close()
     if r == 0:

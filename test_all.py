@@ -1569,6 +1569,42 @@ def test_grpo_cli_two_steps_log_checkpoint_and_resume():
 
 
 @check
+def test_grpo_same_seed_same_log_and_deterministic_flag():
+    """the same command twice gives the same log (rewards, losses, gradient norms, held-out accuracy: only the
+    timings differ), with --deterministic=True too, which turns torch's deterministic mode on for the run only; a
+    second seed gives another log (the check can fail). On the CPU every kernel is deterministic: on a GPU the flag
+    is what makes SDPA's backward and cuBLAS so (README)"""
+    import tempfile
+    timing = {"gen_s", "update_s", "tokens_per_s", "minutes", "peak_gib"}
+    strip = lambda res: [{k: v for k, v in r.items() if k not in timing} for r in res.records]  # noqa: E731
+    run = lambda *extra: strip(_quiet_train(_train_args(tempfile.mkdtemp(prefix="nanogrpo_seed_"), 3, "--lr=1e-3",
+                                                        "--eval_every=2", "--temperature=1.5", *extra)))
+    a, b = run(), run()
+    assert a == b, "same seed, different logs"
+    det = run("--deterministic=True")
+    assert det == a and not torch.are_deterministic_algorithms_enabled(), "--deterministic changed the log or stayed on"
+    assert run("--seed=7") != a, "another seed gave the same log: the comparison cannot fail"
+
+
+@check
+def test_grpo_stops_when_no_group_carries_signal():
+    """max_flat_steps: a run whose every sampled group has equal rewards (no advantage, no gradient) stops after that
+    many such steps in a row, says why, and still evaluates and logs its last step; 0 never stops"""
+    import tempfile
+    d = tempfile.mkdtemp(prefix="nanogrpo_flat_")
+    with open(os.path.join(d, "flat.py"), "w") as f:
+        f.write("def zero(completion, example):\n    return 0.0\n")
+    args = lambda *extra: _train_args(tempfile.mkdtemp(prefix="nanogrpo_flat_"), 6, f"--reward={d}/flat.py:zero",  # noqa
+                                      "--eval_every=0", *extra)
+    res, log = _train_output(args("--max_flat_steps=2"))
+    assert not isinstance(res, Exception), f"{res!r}\n{log[-1500:]}"
+    assert [r["step"] for r in res.records] == [0, 1, 2] and "eval_accuracy" in res.records[-1], res.records
+    assert "stopped after step 2: for 2 steps in a row every sampled group's rewards were equal" in log, log[-800:]
+    res = _quiet_train(args("--max_flat_steps=0"))
+    assert [r["step"] for r in res.records] == list(range(7)), [r["step"] for r in res.records]
+
+
+@check
 def test_grpo_resume_continues_identically():
     """2 steps straight == 1 step, checkpoint, --resume=True, 1 more step: same weights, optimizer, samples"""
     import tempfile
