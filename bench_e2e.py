@@ -113,6 +113,7 @@ FEATURES = {  # each on the Qwen2.5 4-layer model, 1024 tokens (the compiled dec
     "entropy": ["--top_entropy_quantile=0.2"], "no-kv-reuse": ["--kv_reuse=False"], "naive": ["--logprob_impl=naive"],
     "chunked": ["--logprob_impl=chunked"], "is-correction": ["--vllm_importance_sampling_correction=True"],
     "fp32": ["--dtype=float32"], "cispo": ["--loss_type=cispo", "--epsilon_high=5.0"],
+    "deterministic": ["--deterministic=True"],
 }
 CELLS = {}
 for fam in FAMILIES:
