@@ -1150,7 +1150,7 @@ def _dist_cfg(name):
 
 
 def _dist_worker(rank, world, port, tmp, model_dir):
-    """one rank of test_batching_two_ranks_sum_to_one_process (torch.multiprocessing.spawn, gloo)"""
+    """one rank of test_batching_ranks_sum_to_one_process (torch.multiprocessing.spawn, gloo)"""
     import datetime
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -1166,7 +1166,8 @@ def _dist_worker(rank, world, port, tmp, model_dir):
             if engine == "fsdp":
                 grpo.shard_model(model, torch.float32, torch.device("cpu"))  # what torchrun grpo.py runs
             buf, rewards = _dist_buffer()
-            mine = list(range(rank * 2, rank * 2 + 2))  # whole groups: the advantages stay local
+            per = 4 // world  # whole groups: the advantages stay local
+            mine = list(range(rank * per, (rank + 1) * per))
             local = batching.select_groups(buf, mine)
             G = buf["group_size"]
             _dist_grads_and_step(model, local, rewards.view(-1, G)[mine].reshape(-1), _dist_cfg(name),
@@ -1176,10 +1177,11 @@ def _dist_worker(rank, world, port, tmp, model_dir):
 
 
 @check
-def test_batching_two_ranks_sum_to_one_process():
-    """torchrun's data path on CPU (gloo, 2 processes, KV reuse on, tied embeddings): each rank holds 2 of 4 groups,
-    with very uneven completion lengths (so the ranks run different numbers of micro-batches); the loss normalizers
-    are counted over both ranks, so the SUM of the two ranks' gradients is the one-process gradient of all 4 groups.
+def test_batching_ranks_sum_to_one_process():
+    """torchrun's data path on CPU (gloo, 2 and 4 processes, KV reuse on, tied embeddings): each rank holds 2 (or 1)
+    of 4 groups, with very uneven completion lengths (so the ranks run different numbers of micro-batches); the loss
+    normalizers are counted over all ranks, so the SUM of the ranks' gradients is the one-process gradient of all 4
+    groups.
     Through FSDP2 (grpo.shard_model, for dapo's token count and grpo's sequence count): every rank's full tensor of
     the reduce-scattered gradient is that sum, and after update_step (clip, AdamW on the shards) the full weights are
     the one-process weights; the logged loss and grad_norm are the global ones. Through the replica engine
@@ -1195,33 +1197,36 @@ def test_batching_two_ranks_sum_to_one_process():
     buf, _ = _dist_buffer()
     shares = [batching.select_groups(buf, g) for g in ([0, 1], [2, 3])]
     assert [len(batching.micro_batches(s["prompt_mask"], s["completion_mask"], 3, 30)) for s in shares] == [1, 2]
-    tmp = tempfile.mkdtemp(prefix="nanogrpo_dist_")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_dist_worker, args=(2, port, tmp, _tiny_model_dir()), nprocs=2)
+    tmp = {}
+    for world in (2, 4):  # (nothing in the torchrun path may assume 2 ranks)
+        tmp[world] = tempfile.mkdtemp(prefix=f"nanogrpo_dist{world}_")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_dist_worker, args=(world, port, tmp[world], _tiny_model_dir()), nprocs=world)
     for loss_type, engines in (("dapo", ("fsdp", "replica")), ("grpo", ("fsdp",)), ("entropy_batch", ("fsdp",))):
         model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
         buf, rewards = _dist_buffer()
         cfg = _dist_cfg(loss_type)
         assert cfg.kv_reuse
-        _dist_grads_and_step(model, buf, rewards, cfg, f"{tmp}/{loss_type}_one.pt")
+        _dist_grads_and_step(model, buf, rewards, cfg, f"{tmp[2]}/{loss_type}_one.pt")
         if loss_type == "entropy_batch":  # a rank-local threshold or std would differ: the test would see it
             local_adv = batching.group_advantages(rewards[:6], 3, "batch")[0]
             assert (local_adv - buf["advantages"][:6]).abs().max() > 1e-3
             assert 0 < buf["entropy_mask"].sum() < buf["completion_mask"].sum()
-        one = torch.load(f"{tmp}/{loss_type}_one.pt")
-        for engine in engines:
-            r0, r1 = (torch.load(f"{tmp}/{loss_type}_{engine}_{n}.pt") for n in ("rank0", "rank1"))
-            for r in (r0, r1):
+        one = torch.load(f"{tmp[2]}/{loss_type}_one.pt")
+        for world, engine in ((w, e) for w in tmp for e in engines):
+            ranks = [torch.load(f"{tmp[world]}/{loss_type}_{engine}_rank{n}.pt") for n in range(world)]
+            name = f"{loss_type} {engine} x{world}"
+            for r in ranks:
                 for i, g in enumerate(one["grads"]):  # FSDP2: the summed gradient on each rank; a replica: its own
-                    got = r["grads"][i] if engine == "fsdp" else r0["grads"][i] + r1["grads"][i]
-                    assert_close(got, g, 1e-5, f"{loss_type} {engine} summed grad {i}")
+                    got = r["grads"][i] if engine == "fsdp" else sum(q["grads"][i] for q in ranks)
+                    assert_close(got, g, 1e-5, f"{name} summed grad {i}")
                 for i, w in enumerate(one["weights"]):
-                    assert_close(r["weights"][i], w, 1e-5, f"{loss_type} {engine} weights {i}")
+                    assert_close(r["weights"][i], w, 1e-5, f"{name} weights {i}")
                 for k in ("loss", "grad_norm", "entropy", "clip_ratio"):
                     assert abs(r["stats"][k] - one["stats"][k]) <= 1e-5 * max(1.0, abs(one["stats"][k])), (
-                        loss_type, engine, k, r["stats"][k], one["stats"][k])
+                        name, k, r["stats"][k], one["stats"][k])
 
 
 def _policy_cfg(**kw):
@@ -2070,6 +2075,40 @@ def test_grpo_torchrun_two_steps_logged_once():
                       "--prompts_per_step=3 does not split into whole groups over 2 processes")
     finally:
         del os.environ["WORLD_SIZE"]
+
+
+@check
+def test_grpo_torchrun_four_ranks():
+    """`torchrun --nproc_per_node=4 grpo.py` on CPU (gloo, FSDP2): nothing assumes 2 ranks. A step logged once, the
+    held-out eval sharded four ways still counts every prompt, four RNG streams and four optimizer shards in the
+    checkpoint; a prompts_per_step that does not split over 4 is refused, naming 4 (torchrun resume: the 2-rank
+    test)"""
+    import json
+    import socket
+    import subprocess
+    import tempfile
+    out = tempfile.mkdtemp(prefix="nanogrpo_torchrun4_")
+    _write(os.path.join(out, "all_correct.py"), "def reward(text, example):\n    return 1.0, True\n")
+
+    def torchrun(steps, *extra):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={port}",
+               "grpo.py", *_train_args(out, steps, "--eval_every=0", "--dist_timeout_minutes=2", "--prompts_per_step=4",
+                                       f"--reward={out}/all_correct.py:reward", *extra)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                              cwd=os.path.dirname(os.path.abspath(__file__)))
+    p = torchrun(1)
+    assert p.returncode == 0 and "4 processes" in p.stdout and p.stdout.count("step 1:") == 1, p.stderr[-3000:]
+    recs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+    assert [r["step"] for r in recs] == [0, 1] and recs[0]["eval_accuracy"] == recs[1]["eval_accuracy"] == 1.0, recs
+    state = torch.load(os.path.join(out, "ckpt", "trainer_state.pt"), weights_only=False)
+    assert state["world_size"] == 4 and len(state["rng_ranks"]) == 4, state.keys()
+    assert sorted(f for f in os.listdir(os.path.join(out, "ckpt")) if f.startswith("optimizer_rank")) == [
+        f"optimizer_rank{r}.pt" for r in range(4)]
+    p = torchrun(2, "--prompts_per_step=6", "--resume=True")
+    assert p.returncode != 0 and "multiple of 4" in p.stderr, p.stderr[-2000:]
 
 
 @check
