@@ -4,6 +4,7 @@ CPU: a smoke run on a tiny model):
 
     python bench_rollout.py [WORKLOAD ...] [--no-hf]   # uniform, ragged, uniform-1.5B, trainer; --no-hf: ours only
     python bench_rollout.py gemms                      # each decode GEMM alone (cuBLAS) vs its bytes' time
+    python bench_rollout.py profile [1.5B]             # one decode step, kernel by kernel (torch.profiler)
 
 The roofline of a workload is the sum over its decode steps of (weight bytes + live K/V bytes) / bandwidth
 (decode_bytes); frac = measured tok/s / roofline tok/s. model.generate is timed beside it for the x HF column.
@@ -214,5 +215,54 @@ def bench_gemms():
             print(f"{shape} M={M:3d} | " + " | ".join(cells), flush=True)
 
 
+def bench_profile(shape="1.5B", row_counts=(128, 32, 8), P=64, T=512):
+    """`python bench_rollout.py profile [SHAPE]`: where a decode step's time goes, kernel by kernel (torch.profiler over
+    one whole generate_groups call after a warm-up call; CUDA graphs and the compiled forward as in training; no EOS,
+    so every row is live at every step). Per step: wall ms, the summed kernel time (the rest is the gaps between
+    kernels), the kernel count, and the kernels that take the most time, against the roofline's weight + K/V bytes."""
+    import time
+    from torch.profiler import ProfilerActivity, profile
+    shape = shape if CUDA else "tiny"
+    model = bench_model(shape)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    bw = spec_bandwidth() or copy_bandwidth() or math.nan
+    dev_time = lambda e: next((getattr(e, a) for a in ("self_device_time_total", "self_cuda_time_total")  # noqa
+                               if hasattr(e, a)), 0.0)  # (us; the attribute's name moved between torch versions)
+    print(f"decode-step profile on {torch.cuda.get_device_name() if CUDA else 'cpu'}: {shape}, P={P}, {T} new tokens, "
+          f"no EOS; roofline = (weights {weights / 1e9:.2f} GB + live K/V) / {bw / 1e12:.2f} TB/s")
+    for n in row_counts if CUDA else (8,):
+        G = min(n, 8)
+        prompt_ids = torch.randint(3, model.config.vocab_size, (n // G, P), device=DEV,
+                                   generator=torch.Generator(device=DEV).manual_seed(1))
+        run = lambda: generate_groups(model, prompt_ids, torch.ones_like(prompt_ids), G, T, eos_token_id=(),  # noqa
+                                      pad_token_id=0)
+        run()  # compiles (once per process) and captures
+        sync()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])) as prof:
+            t0 = time.perf_counter()
+            run()
+            sync()
+            wall = time.perf_counter() - t0
+        steps = max(LAST["steps"], 1)
+        kernels = [e for e in prof.key_averages() if CUDA and e.device_type == torch.autograd.DeviceType.CUDA
+                   and dev_time(e) > 0]
+        busy = sum(dev_time(e) for e in kernels) / steps / 1e3  # ms a step
+        count = sum(e.count for e in kernels) / steps
+        D = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        kv = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * D * 2 * (n * T / 2 + n // G * P)
+        roof = (weights + kv) / bw * 1e3
+        print(f"rows {n:4d}: {wall / steps * 1e3:.3f} ms/step wall (path {LAST.get('path')}), kernels {busy:.3f} ms "
+              f"busy in {count:.0f} launches, roofline {roof:.3f} ms (frac {roof / (wall / steps * 1e3):.2f})")
+        for e in sorted(kernels, key=dev_time, reverse=True)[:12]:
+            print(f"    {dev_time(e) / steps:8.1f} us/step  {e.count / steps:5.1f}x  "
+                  f"{dev_time(e) / e.count:7.1f} us each  {e.key[:110]}")
+        sys.stdout.flush()
+
+
 if __name__ == "__main__":
-    bench_gemms() if sys.argv[1:] == ["gemms"] else main(sys.argv[1:])
+    if sys.argv[1:2] == ["gemms"]:
+        bench_gemms()
+    elif sys.argv[1:2] == ["profile"]:
+        bench_profile(*sys.argv[2:3])
+    else:
+        main(sys.argv[1:])
