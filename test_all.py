@@ -1599,8 +1599,8 @@ def test_grpo_stops_when_no_group_carries_signal():
     d = tempfile.mkdtemp(prefix="nanogrpo_flat_")
     with open(os.path.join(d, "flat.py"), "w") as f:
         f.write("def zero(completion, example):\n    return 0.0\n")
-    args = lambda *extra: _train_args(tempfile.mkdtemp(prefix="nanogrpo_flat_"), 6, f"--reward={d}/flat.py:zero",  # noqa
-                                      "--eval_every=0", *extra)
+    args = lambda *extra: _train_args(tempfile.mkdtemp(prefix="nanogrpo_flat_"), 6,  # noqa: E731
+                                      f"--reward={d}/flat.py:zero", "--eval_every=0", *extra)
     res, log = _train_output(args("--max_flat_steps=2"))
     assert not isinstance(res, Exception), f"{res!r}\n{log[-1500:]}"
     assert [r["step"] for r in res.records] == [0, 1, 2] and "eval_accuracy" in res.records[-1], res.records
@@ -2005,6 +2005,21 @@ def _train_output(args):
             return e, buf.getvalue()
 
 
+def _torchrun(nproc, out, steps, *extra):
+    """`torchrun --nproc_per_node=nproc grpo.py` on the tiny run in out (a free port; the reward out/all_correct.py,
+    which the caller writes): the finished process"""
+    import socket
+    import subprocess
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
+           "grpo.py", *_train_args(out, steps, "--eval_every=0", "--dist_timeout_minutes=2",
+                                   f"--reward={out}/all_correct.py:reward", *extra)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+
+
 @check
 def test_grpo_torchrun_two_steps_logged_once():
     """`torchrun --nproc_per_node=2 grpo.py` on CPU (gloo, FSDP2, bf16 compute): 2 steps, each logged once (one line
@@ -2015,8 +2030,6 @@ def test_grpo_torchrun_two_steps_logged_once():
     plain one-process resume of it and a prompts_per_step that does not split over WORLD_SIZE are refused with both
     numbers named."""
     import json
-    import socket
-    import subprocess
     import tempfile
     from transformers import AutoModelForCausalLM
     import grpo
@@ -2024,14 +2037,7 @@ def test_grpo_torchrun_two_steps_logged_once():
     _write(os.path.join(out, "all_correct.py"), "def reward(text, example):\n    return 1.0, True\n")
 
     def torchrun(steps, *extra):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-               "grpo.py", *_train_args(out, steps, "--eval_every=0", "--dist_timeout_minutes=2",
-                                              f"--reward={out}/all_correct.py:reward", *extra)]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                           cwd=os.path.dirname(os.path.abspath(__file__)))
+        p = _torchrun(2, out, steps, *extra)
         assert p.returncode == 0, p.stderr[-3000:]
         return p.stdout
 
@@ -2084,22 +2090,11 @@ def test_grpo_torchrun_four_ranks():
     checkpoint; a prompts_per_step that does not split over 4 is refused, naming 4 (torchrun resume: the 2-rank
     test)"""
     import json
-    import socket
-    import subprocess
     import tempfile
     out = tempfile.mkdtemp(prefix="nanogrpo_torchrun4_")
     _write(os.path.join(out, "all_correct.py"), "def reward(text, example):\n    return 1.0, True\n")
 
-    def torchrun(steps, *extra):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={port}",
-               "grpo.py", *_train_args(out, steps, "--eval_every=0", "--dist_timeout_minutes=2", "--prompts_per_step=4",
-                                       f"--reward={out}/all_correct.py:reward", *extra)]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                              cwd=os.path.dirname(os.path.abspath(__file__)))
-    p = torchrun(1)
+    p = _torchrun(4, out, 1, "--prompts_per_step=4")
     assert p.returncode == 0 and "4 processes" in p.stdout and p.stdout.count("step 1:") == 1, p.stderr[-3000:]
     recs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
     assert [r["step"] for r in recs] == [0, 1] and recs[0]["eval_accuracy"] == recs[1]["eval_accuracy"] == 1.0, recs
@@ -2107,7 +2102,7 @@ def test_grpo_torchrun_four_ranks():
     assert state["world_size"] == 4 and len(state["rng_ranks"]) == 4, state.keys()
     assert sorted(f for f in os.listdir(os.path.join(out, "ckpt")) if f.startswith("optimizer_rank")) == [
         f"optimizer_rank{r}.pt" for r in range(4)]
-    p = torchrun(2, "--prompts_per_step=6", "--resume=True")
+    p = _torchrun(4, out, 2, "--prompts_per_step=6", "--resume=True")
     assert p.returncode != 0 and "multiple of 4" in p.stderr, p.stderr[-2000:]
 
 
