@@ -22,6 +22,7 @@ import math
 
 import torch
 
+import lora
 from kv_reuse import completion_hidden
 from rollout import LAST, eos_tensor, generate_groups
 from logprobs import token_logprobs
@@ -529,6 +530,7 @@ def prepare_buffer(model, ref_model, buf, rewards, cfg):
                 buf["entropy_mask"] = entropy_mask(ent, loss_mask, cfg.top_entropy_quantile, K)
             if cfg.num_iterations == 1 and K == 1:
                 del buf["old_logp"]  # (only the entropies were wanted: keep the ratio exactly 1)
-        if cfg.beta > 0:
-            fill_logprobs(ref_model, buf, "ref_logp", all_mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse)
+        if cfg.beta > 0:  # (LoRA: the reference is the policy itself with its adapters off)
+            with lora.disabled(ref_model) if ref_model is model else contextlib.nullcontext():
+                fill_logprobs(ref_model, buf, "ref_logp", all_mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse)
     return steps, frac_zero_std

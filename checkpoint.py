@@ -41,7 +41,7 @@ RUN_FILES = ("log.jsonl", "log.jsonl.tmp", "curves.png", "ckpt", "ckpt.tmp", "ck
 # resume refuses a change of these (they define the run: its weights' lineage, data, held-out set, shapes); it
 # takes the rest (lr, max_steps, loss_type, ...) with a printed notice
 STRUCTURAL = ("model", "task", "eval_file", "difficulty", "eval_size", "seed", "group_size", "max_prompt_len",
-              "max_completion_len", "dtype")
+              "max_completion_len", "dtype", "lora_r", "lora_alpha", "lora_target_modules")
 
 
 def take_lock(out_dir):
@@ -155,6 +155,10 @@ def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
         recover_checkpoint(cfg.out_dir)  # no ckpt.tmp or ckpt.old left in the way (a leftover ckpt.old wedged saves)
         if sharded:  # the float32 shards are the weights (the masters of a bf16 run)
             model.save_pretrained(tmp, state_dict=weights)
+        elif cfg.lora_r:  # a PEFT adapter directory: the base stays where --model points
+            import lora
+            lora.save_adapter(model, tmp, os.path.abspath(resolve_model_path(cfg.model, cfg.gguf_dir)), cfg.lora_r,
+                              cfg.lora_alpha, cfg.lora_dropout, lora.targets(cfg.lora_target_modules))
         elif master is not None:  # the float32 masters are the weights; the bf16 model is their rounding
             model.save_pretrained(tmp, state_dict={n: m for (n, _), m in zip(model.named_parameters(), master)})
         else:

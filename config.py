@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
+import lora
 from batching import IMPORTANCE_SAMPLING_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS
 from tasks import MAX_DIFFICULTY, check_task, make_reward, parse_weights, reward_names
 
@@ -68,6 +69,10 @@ mask_truncated_completions = False
 logprob_impl = "auto"  # fused | chunked | naive | auto (fused on GPU, chunked on CPU)
 kv_reuse = True  # forward each group's prompt once and reuse its KV cache for the G completions
 gradient_checkpointing = False
+lora_r = 0  # LoRA rank (0 = full fine-tuning); with LoRA the base stays frozen in dtype and only adapters train (peft)
+lora_alpha = 32  # the adapter's scale is lora_alpha / lora_r (TRL's ModelConfig defaults: 16 / 32 / 0.05)
+lora_dropout = 0.05
+lora_target_modules = ""  # comma-separated module names ("" = q,k,v,o,gate,up,down_proj: attention and MLP)
 micro_batch_tokens = 32768  # token budget of a micro-batch (whole groups of P + G*C tokens); lower it on OOM
 device = "auto"  # auto | cuda | cpu
 dtype = "bfloat16"  # the model runs in this dtype; AdamW steps float32 master copies (see make_optimizer)
@@ -143,11 +148,13 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
                                               "num_iterations", "micro_batch_tokens", "eval_size", "difficulty",
                                               "steps_per_generation", "max_sampling_tries")},
     **{k: (lambda v: v >= 0, ">= 0") for k in ("warmup_steps", "eval_every", "save_every", "eval_pass_k",
-                                              "soft_punish_cache", "eval_samples", "max_flat_steps")},
+                                              "soft_punish_cache", "eval_samples", "max_flat_steps", "lora_r")},
+    "lora_alpha": (lambda v: finite(v) and v > 0, "finite and > 0"),
+    "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
 }
 FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite", "mask_truncated_completions",
              "kv_reuse", "gradient_checkpointing", "task", "eval_file", "reward", "reward_weights", "dynamic_sampling",
-             "vllm_importance_sampling_correction", "fsdp", "deterministic")  # strings checked below, and booleans
+             "vllm_importance_sampling_correction", "fsdp", "deterministic", "lora_target_modules")  # strings checked below, and booleans
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
@@ -218,6 +225,7 @@ def check_config(cfg):
     elif cfg.resume and not os.path.isdir(cfg.out_dir):
         errors.append(f"--resume=True but there is no --out_dir={cfg.out_dir!r} to resume")
     errors += check_model(cfg.model)
+    errors += lora_errors(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if errors:
         raise ValueError("bad config:\n  " + "\n  ".join(errors))
 
@@ -242,4 +250,23 @@ def world_size_errors(cfg, world):
                  f"{world})" if world > 1 else
                  f"--prompts_per_step={local} (each optimizer step takes an equal share of whole groups)")
         errors.append(f"--steps_per_generation={cfg.steps_per_generation}: must divide {share}")
+    return errors
+
+
+def lora_errors(cfg, world):
+    """--lora_r > 0 needs peft (said before the model loads), targets the LoRA decode can fold, and under torchrun the
+    replica engine (FSDP2 would shard the frozen base and the adapters alike: not wired yet)"""
+    if cfg.lora_r == 0:
+        return []
+    import importlib.util
+    errors = []
+    if importlib.util.find_spec("peft") is None:
+        errors.append(f"--lora_r={cfg.lora_r} needs PEFT, which is not installed: pip install peft")
+    bad = [t for t in lora.targets(cfg.lora_target_modules) if t in ("lm_head", "embed_tokens")]
+    if bad:
+        errors.append(f"--lora_target_modules={cfg.lora_target_modules!r}: {', '.join(bad)} cannot take an adapter "
+                      f"here (the fused log-prob kernel reads lm_head's weight itself; the embedding is tied to it)")
+    if world > 1 and cfg.fsdp:
+        errors.append(f"--lora_r={cfg.lora_r} under torchrun runs with --fsdp=False (a replica of the frozen base per "
+                      f"rank, the adapters' gradients all-reduced); LoRA under FSDP2 is not supported yet")
     return errors

@@ -25,6 +25,7 @@ import torch
 
 import checkpoint
 from batching import rank, rank0_value, world_size
+import lora
 from config import parse_config, resolve
 from tasks import (TASKS, check_training_pool, load_task, make_reward, overlong_penalty,  # noqa: F401
                    reward_names, step_seed, train_prompts)  # (grpo.TASKS: tasks')
@@ -125,13 +126,20 @@ def make_optimizer(policy, cfg, dt):
     backward all run in dt) and the optimizer holds float32 masters, rounded into the model after each step:
     stepping bf16 weights directly drops every update below 2^-8 of the weight, and an lr=1e-5 AdamW update is
     ~1e-3 of a typical weight. Under FSDP2 the sharded parameters are the float32 masters themselves (shard_model's
-    MixedPrecisionPolicy gathers them in dt). Returns (optimizer, masters or None)."""
+    MixedPrecisionPolicy gathers them in dt). With LoRA only the float32 adapters train: the frozen base is cast to
+    dt and has no master (a 7B model's base is 15 GB in bf16, where masters and AdamW would add 90 GB). Returns
+    (optimizer, masters or None)."""
     from batching import fsdp_modules
     master, sharded = None, bool(fsdp_modules(policy))
-    if dt != torch.float32 and not sharded:
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    if len(trainable) < len(list(policy.parameters())):  # LoRA (lora.add_lora froze the rest)
+        for p in policy.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(dt)
+    elif dt != torch.float32 and not sharded:
         master = [p.detach().clone().requires_grad_(True) for p in policy.parameters()]  # float32, before the cast
         cast_parameters(policy, dt)
-    params = master if master is not None else list(policy.parameters())
+    params = master if master is not None else trainable
     fused = {} if not params[0].is_cuda else {"foreach": True} if sharded else {"fused": True}  # (DTensors: foreach)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay, **fused)
     return opt, master
@@ -293,13 +301,20 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     tokenizer = checkpoint.load_tokenizer(ckpt or base)
     encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)  # max_prompt_len: said before loading
     sharded = world > 1 and cfg.fsdp
-    policy = checkpoint.load_model(ckpt or base, torch.device("cpu") if sharded else dev)  # (FSDP2: to dev)
+    # (FSDP2: loaded on the CPU, sharded to dev.) LoRA: the base from --model, the adapters from ckpt on resume
+    policy = checkpoint.load_model(base if cfg.lora_r else ckpt or base, torch.device("cpu") if sharded else dev)
+    if cfg.lora_r:
+        lora.add_lora(policy, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, lora.targets(cfg.lora_target_modules))
+        if ckpt:
+            lora.load_adapter(policy, ckpt)
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if sharded:
         shard_model(policy, dt, dev)
     ref_model = None
-    if cfg.beta > 0:  # k3 KL anchor: the initial weights, frozen (under FSDP2 too: a dt replica on every rank)
+    if cfg.beta > 0 and cfg.lora_r:  # the base is the policy with its adapters off (batching: lora.disabled)
+        ref_model = policy
+    elif cfg.beta > 0:  # k3 KL anchor: the initial weights, frozen (under FSDP2 too: a dt replica on every rank)
         ref_model = cast_parameters(checkpoint.load_model(base, dev), dt).eval().requires_grad_(False)
     optimizer, master = make_optimizer(policy, cfg, dt)
     stop = stop_token_ids(policy, tokenizer)

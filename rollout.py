@@ -46,6 +46,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from decode_kernels import decode_attention_op, sample, sample_triton
 from kv_reuse import positions, reuse_unsupported, trim_left_padding
+from lora import effective_weight
 
 CUDA_GRAPH = True  # on CUDA: capture each decode step (forward + sampling) as a graph and replay it per token
 CHECK_EVERY = 8  # decode steps between host reads of "which rows are done" (a sync that drains the launch queue)
@@ -166,41 +167,45 @@ def model_forward(model, tok, pos):
 
 
 def fuse_projections(model):
-    """per layer (w_qkv, b_qkv, w_gate_up, b_gate_up): q/k/v and gate/up weights concatenated along the output dim,
-    for decode_forward; None if the model's layers are not the llama/qwen2/qwen3 shape it assumes. At decode the
-    GEMMs have M = live rows (8-128), where a cuBLAS call costs 4-7 us whatever its size: k_proj and v_proj
-    (0.2 MB each at the 0.5B shape) cost as much as q_proj. One GEMM per group saves 3 of 7 per layer. A copy
-    per call (weights change every training step): + the q/k/v and MLP-input weights' bytes while sampling.
-    Only plain nn.Linear projections are fused: a LoRA-wrapped, quantized or otherwise re-implemented one computes
-    more than x @ W^T + b, so such a model keeps its own forward (None)."""
-    plain = lambda m: isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward
-    cat_bias = lambda ps: None if all(p.bias is None for p in ps) else torch.cat(
-        [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in ps])
+    """per layer (w_qkv, b_qkv, w_gate_up, b_gate_up, w_o, b_o, w_down, b_down): q/k/v and gate/up weights
+    concatenated along the output dim, o_proj's and down_proj's as they are, for decode_forward; None if the model's
+    layers are not the llama/qwen2/qwen3 shape it assumes. At decode the GEMMs have M = live rows (8-128), where a
+    cuBLAS call costs 4-7 us whatever its size: k_proj and v_proj (0.2 MB each at the 0.5B shape) cost as much as
+    q_proj. One GEMM per group saves 3 of 7 per layer. A copy per call (weights change every training step): + the
+    q/k/v and MLP-input weights' bytes while sampling. A LoRA projection is folded here, W + (alpha/r) B A, once per
+    rollout (lora.effective_weight), so a decode step costs what it costs without LoRA; any other wrapped, quantized
+    or re-implemented projection computes more than x @ W^T + b, so such a model keeps its own forward (None)."""
+    cat_bias = lambda wbs: None if all(b is None for _, b in wbs) else torch.cat(  # noqa: E731
+        [b if b is not None else w.new_zeros(w.shape[0]) for w, b in wbs])
     fused = []
     for layer in model.model.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")) or \
                 not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             return None
-        qkv, gu = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
-        if not all(plain(p) for p in qkv + gu):
+        wbs = [effective_weight(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj,
+                                              attn.o_proj, mlp.down_proj)]
+        if any(wb is None for wb in wbs):
             return None
-        fused.append((torch.cat([p.weight for p in qkv]), cat_bias(qkv), torch.cat([p.weight for p in gu]),
-                      cat_bias(gu)))
+        qkv, gu, (w_o, b_o), (w_down, b_down) = wbs[:3], wbs[3:5], wbs[5], wbs[6]
+        fused.append((torch.cat([w for w, _ in qkv]), cat_bias(qkv), torch.cat([w for w, _ in gu]), cat_bias(gu),
+                      w_o, b_o, w_down, b_down))
     return fused
 
 
 def decode_forward(model, fused, st, tok, pos):
     """model_forward for one decode step with fused projections: the model's own modules (embedding, RoPE,
-    RMSNorms, q/k norms, o_proj, activation, down_proj, LM head) in the order its forward calls them, but
-    q|k|v = x @ W_qkv^T + b_qkv and gate|up = x @ W_gu^T + b_gu as one GEMM each, and the attention as the op
+    RMSNorms, q/k norms, activation, LM head) in the order its forward calls them, but q|k|v = x @ W_qkv^T + b_qkv
+    and gate|up = x @ W_gu^T + b_gu as one GEMM each, o_proj and down_proj on their weights from fuse_projections
+    (a LoRA adapter folded in), and the attention as the op
     nanogrpo::decode_attention on the decode state st (caches, slot -> row map, column). (n, V) logits. Under
     torch.compile this is one graph (no break: fullgraph=True), so norms, RoPE and residual adds fuse across layers."""
     trunk = model.model
     rope = sys.modules[type(trunk.layers[0].self_attn).__module__].apply_rotary_pos_emb
     h = trunk.embed_tokens(tok)  # (n, 1, H)
     n, (cos, sin) = h.shape[0], trunk.rotary_emb(h, pos)
-    for layer, (w_qkv, b_qkv, w_gu, b_gu), (pk, pv, ck, cv) in zip(trunk.layers, fused, st.layers):
+    for layer, (w_qkv, b_qkv, w_gu, b_gu, w_o, b_o, w_down, b_down), (pk, pv, ck, cv) in zip(trunk.layers, fused,
+                                                                                            st.layers):
         attn, mlp = layer.self_attn, layer.mlp
         D = attn.head_dim
         q, k, v = F.linear(layer.input_layernorm(h), w_qkv, b_qkv).split(
@@ -211,9 +216,9 @@ def decode_forward(model, fused, st, tok, pos):
         q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (n, h, 1, D), (n, kvh, 1, D)
         o = torch.ops.nanogrpo.decode_attention(q, k, v.transpose(1, 2), pk, pv, ck, cv, st.rows, st.done,
                                                 st.start, st.slot, st.G, attn.scaling, st.impl)  # (n, 1, h, D)
-        h = h + attn.o_proj(o.reshape(n, 1, -1).to(h.dtype))
+        h = h + F.linear(o.reshape(n, 1, -1).to(h.dtype), w_o, b_o)
         gate, up = F.linear(layer.post_attention_layernorm(h), w_gu, b_gu).chunk(2, -1)  # (n, 1, I) each
-        h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+        h = h + F.linear(mlp.act_fn(gate) * up, w_down, b_down)
     return model.lm_head(trunk.norm(h))[:, -1]
 
 

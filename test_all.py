@@ -1609,6 +1609,151 @@ def test_grpo_stops_when_no_group_carries_signal():
     assert [r["step"] for r in res.records] == list(range(7)), [r["step"] for r in res.records]
 
 
+def _lora_pair(arch="qwen2", r=4, alpha=8.0):
+    """(ours, peft_model): the same tiny base with the same random adapters, ours injected in place (lora.add_lora),
+    PEFT's own get_peft_model wrapper; lora_B random (PEFT starts it at 0, which would hide every B A term)"""
+    import copy
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    import lora
+    base = _kv_model(arch, tied=True)
+    ours = lora.add_lora(copy.deepcopy(base), r, alpha, 0.0)
+    g = torch.Generator().manual_seed(3)
+    for n, p in ours.named_parameters():
+        if "lora_" in n:
+            p.data = torch.randn(p.shape, generator=g).to(p.device) * 0.2
+    pm = get_peft_model(copy.deepcopy(base), LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
+                                                        target_modules=list(lora.TARGETS), bias="none"))
+    result = set_peft_model_state_dict(pm, {lora.PREFIX + k: v for k, v in get_peft_model_state_dict(ours).items()})
+    assert not result.unexpected_keys, result.unexpected_keys[:3]
+    return ours, pm
+
+
+def _peft_logp(pm, prompt_ids, prompt_mask, completion_ids, completion_mask, G):
+    """PEFT's own forward on each whole row (prompt ++ completion): the completion tokens' log-probs (B*G, C)"""
+    P = prompt_ids.shape[1]
+    ids = torch.cat([prompt_ids.repeat_interleave(G, 0), completion_ids], 1)
+    mask = torch.cat([prompt_mask.repeat_interleave(G, 0), completion_mask], 1)
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+    logits = pm(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+    return torch.log_softmax(logits[:, P - 1:-1], -1).gather(-1, completion_ids[..., None])[..., 0]
+
+
+@check
+@_kv_one_thread
+def test_lora_gradients_equal_peft():
+    """LoRA through our trainer's forward (kv_reuse on and off, the chunked and the fused log-prob kernel, gradient
+    checkpointing on) gives the adapters the gradients PEFT's own forward/backward gives them on the same batch, and
+    the frozen base none; lora.disabled() is the base model"""
+    if not _have("peft"):
+        print("  (peft not installed: skipped)")
+        return
+    import batching
+    import lora
+    ours, pm = _lora_pair()
+    G = 3
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _kv_batch(G=G, seed=7)
+    keep = completion_mask.bool()
+    w = torch.randn(int(keep.sum()), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    ref = _peft_logp(pm, prompt_ids, prompt_mask, completion_ids, completion_mask, G)[keep]
+    (ref * w).sum().backward()
+    want = {n[len("base_model.model."):]: p.grad for n, p in pm.named_parameters() if p.grad is not None}
+    assert want and all("lora_" in n for n in want), sorted(want)[:4]
+    ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ours.train()
+    for reuse in (True, False):
+        for impl in ("chunked", "fused"):
+            ours.zero_grad(set_to_none=True)
+            logp, _ = batching.logprobs_forward(ours, prompt_ids, prompt_mask, completion_ids, completion_mask, G,
+                                                keep, 1.0, impl, reuse, False)
+            assert_close(logp, ref, 1e-5, f"logp reuse={reuse} {impl}")
+            (logp * w).sum().backward()
+            got = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+            assert sorted(got) == sorted(want), (sorted(got)[:3], sorted(want)[:3])
+            for n in want:
+                assert_close(got[n], want[n], 1e-4, f"reuse={reuse} {impl} {n}")
+    ours.eval()
+    with lora.disabled(ours), pm.disable_adapter():
+        base = _peft_logp(pm, prompt_ids, prompt_mask, completion_ids, completion_mask, G)[keep]
+        logp, _ = batching.logprobs_forward(ours, prompt_ids, prompt_mask, completion_ids, completion_mask, G, keep,
+                                            1.0, "chunked", True, False)
+    assert_close(logp, base, 1e-5, "adapters disabled")
+    assert (logp - ref).abs().max() > 1e-3, "disabling the adapters changed nothing: the check cannot fail"
+    assert all(p.requires_grad == ("lora_" in n) for n, p in ours.named_parameters()), "adapters left off"
+
+
+@check
+@_kv_one_thread
+def test_lora_decode_folds_adapters_greedy_equal_peft():
+    """the decode engine folds each adapter into the weights it fuses (W + (alpha/r) B A, o_proj and down_proj too):
+    its greedy tokens are PEFT's generate's, on the fused path (LAST["fused"]), and the folded q|k|v weight is the
+    base's plus the scaled product"""
+    if not _have("peft"):
+        print("  (peft not installed: skipped)")
+        return
+    import rollout
+    ours, pm = _lora_pair("qwen3")
+    prompt_ids, prompt_mask, _, _ = _kv_batch(G=2, prompt_lens=(7, 2, 4), seed=8)
+    ref = _kv_generate_reference(pm, prompt_ids, prompt_mask, 10, eos=99999)
+    ids, _ = rollout.generate_groups(ours, prompt_ids, prompt_mask, 2, 10, temperature=0.0, eos_token_id=99999,
+                                     pad_token_id=0)
+    assert rollout.LAST["fused"], "a LoRA model left the fused decode"
+    for row in range(ids.shape[0]):
+        assert ids[row].tolist() == ref[row // 2][:10], f"row {row}"
+    q = ours.model.layers[0].self_attn.q_proj
+    w_qkv = rollout.fuse_projections(ours)[0][0]
+    want = q.base_layer.weight + q.scaling["default"] * q.lora_B["default"].weight @ q.lora_A["default"].weight
+    assert_close(w_qkv[:q.base_layer.out_features], want, 1e-6, "folded q_proj")
+
+
+@check
+def test_lora_run_saves_peft_adapter_and_resumes():
+    """grpo.py --lora_r=4 (with beta > 0: the reference is the base, adapters off): the base weights stay
+    bit-identical, the adapters move, ckpt/ is a PEFT adapter directory that PeftModel.from_pretrained loads into
+    the same logits, resume continues; without peft the flag is refused before anything loads, naming pip install
+    peft; under torchrun FSDP2 it is refused, naming --fsdp=False"""
+    import importlib.util
+    import tempfile
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    real = importlib.util.find_spec
+    importlib.util.find_spec = lambda name, *a: None if name == "peft" else real(name, *a)
+    try:
+        assert_raises(ValueError, lambda: config.resolve(config.parse_config(["--lora_r=4", "--device=cpu"])),
+                      "pip install peft")
+    finally:
+        importlib.util.find_spec = real
+    assert "--fsdp=False" in " ".join(config.lora_errors(config.parse_config(["--lora_r=4"]), 2))
+    if not _have("peft"):
+        print("  (peft not installed: the run skipped)")
+        return
+    from peft import PeftModel
+    out = tempfile.mkdtemp(prefix="nanogrpo_lora_")
+    _write(os.path.join(out, "by_len.py"), "def reward(text, example):\n    return float(len(text)), False\n")
+    args = _train_args(out, 2, "--lora_r=4", "--lora_dropout=0.0", "--beta=0.1", "--lr=1e-2", "--temperature=1.5",
+                       f"--reward={out}/by_len.py:reward", "--eval_every=0")
+    res = _quiet_train(args)
+    base = load_file(os.path.join(_tiny_model_dir(), "model.safetensors"))
+    state = {n: p.detach() for n, p in res.model.named_parameters()}
+    for n, w in base.items():
+        assert torch.equal(state[n.replace(".weight", ".base_layer.weight") if n.replace(
+            ".weight", ".base_layer.weight") in state else n].cpu(), w), f"base weight {n} changed"
+    ckpt = os.path.join(out, "ckpt")
+    assert sorted(os.listdir(ckpt))[:2] == ["adapter_config.json", "adapter_model.safetensors"], os.listdir(ckpt)
+    assert not os.path.exists(os.path.join(ckpt, "model.safetensors"))
+    assert "kl" in res.records[-1] and all(math.isfinite(r["loss"]) for r in res.records[1:]), res.records[-1]
+    pm = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32), ckpt)
+    ids = torch.randint(3, 99, (2, 9), generator=torch.Generator().manual_seed(0))
+    res.model.eval()
+    with torch.no_grad():
+        assert_close(res.model(ids).logits, pm(ids).logits, 1e-5, "PeftModel.from_pretrained(ckpt) logits")
+        pm.disable_adapter_layers()
+        assert (res.model(ids).logits - pm(ids).logits).abs().max() > 1e-4, "the adapters never moved"
+    res = _quiet_train(_train_args(out, 3, "--lora_r=4", "--lora_dropout=0.0", "--beta=0.1", "--lr=1e-2",
+                                   "--temperature=1.5", f"--reward={out}/by_len.py:reward", "--eval_every=0",
+                                   "--resume=True"))
+    assert [r["step"] for r in res.records] == [0, 1, 2, 3], [r["step"] for r in res.records]
+
+
 @check
 def test_grpo_resume_continues_identically():
     """2 steps straight == 1 step, checkpoint, --resume=True, 1 more step: same weights, optimizer, samples"""
