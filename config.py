@@ -154,7 +154,8 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
 }
 FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite", "mask_truncated_completions",
              "kv_reuse", "gradient_checkpointing", "task", "eval_file", "reward", "reward_weights", "dynamic_sampling",
-             "vllm_importance_sampling_correction", "fsdp", "deterministic", "lora_target_modules")  # strings checked below, and booleans
+             "vllm_importance_sampling_correction", "fsdp", "deterministic",
+             "lora_target_modules")  # strings checked below, and booleans
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
