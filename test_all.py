@@ -1709,7 +1709,7 @@ def test_lora_decode_folds_adapters_greedy_equal_peft():
 def test_lora_run_saves_peft_adapter_and_resumes():
     """grpo.py --lora_r=4 (with beta > 0: the reference is the base, adapters off): the base weights stay
     bit-identical, the adapters move, ckpt/ is a PEFT adapter directory that PeftModel.from_pretrained loads into
-    the same logits, resume continues; without peft the flag is refused before anything loads, naming pip install
+    the same logits, resume continues exactly (the weights of a straight run); without peft the flag is refused before anything loads, naming pip install
     peft; under torchrun FSDP2 it is refused, naming --fsdp=False"""
     import importlib.util
     import tempfile
@@ -1748,10 +1748,14 @@ def test_lora_run_saves_peft_adapter_and_resumes():
         assert_close(res.model(ids).logits, pm(ids).logits, 1e-5, "PeftModel.from_pretrained(ckpt) logits")
         pm.disable_adapter_layers()
         assert (res.model(ids).logits - pm(ids).logits).abs().max() > 1e-4, "the adapters never moved"
-    res = _quiet_train(_train_args(out, 3, "--lora_r=4", "--lora_dropout=0.0", "--beta=0.1", "--lr=1e-2",
-                                   "--temperature=1.5", f"--reward={out}/by_len.py:reward", "--eval_every=0",
-                                   "--resume=True"))
+    more = ("--lora_r=4", "--lora_dropout=0.0", "--beta=0.1", "--lr=1e-2", "--temperature=1.5",
+            f"--reward={out}/by_len.py:reward", "--eval_every=0")
+    res = _quiet_train(_train_args(out, 3, *more, "--resume=True"))
     assert [r["step"] for r in res.records] == [0, 1, 2, 3], [r["step"] for r in res.records]
+    straight = _quiet_train(_train_args(tempfile.mkdtemp(prefix="nanogrpo_lora_"), 3, *more))  # resume = no break
+    assert straight.records[-1]["loss"] == res.records[-1]["loss"], (straight.records[-1], res.records[-1])
+    for (n, pa), pb in zip(straight.model.named_parameters(), res.model.parameters()):
+        assert torch.equal(pa, pb), f"{n} differs after resume"
 
 
 @check
