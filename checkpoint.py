@@ -19,7 +19,8 @@ complete save), a cut last log line (read_log drops it with a notice), a dead ru
 on the same host). A file cut some other way is named when it fails to load (loaded). Resume refuses a change of
 what defines the run (STRUCTURAL) and takes the rest with a notice.
 
-grpo.py calls in here; this file imports batching (rank, all_ranks, fsdp_modules) and never grpo.
+grpo.py calls in here; this file imports batching (rank, all_ranks, fsdp_modules) and lora (a LoRA run saves
+its adapters), never grpo.
 """
 import glob
 import json
@@ -32,6 +33,7 @@ import zipfile
 
 import torch
 
+import lora
 from batching import rank
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -156,7 +158,6 @@ def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
         if sharded:  # the float32 shards are the weights (the masters of a bf16 run)
             model.save_pretrained(tmp, state_dict=weights)
         elif cfg.lora_r:  # a PEFT adapter directory: the base stays where --model points
-            import lora
             lora.save_adapter(model, tmp, os.path.abspath(resolve_model_path(cfg.model, cfg.gguf_dir)), cfg.lora_r,
                               cfg.lora_alpha, cfg.lora_dropout, lora.targets(cfg.lora_target_modules))
         elif master is not None:  # the float32 masters are the weights; the bf16 model is their rounding

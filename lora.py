@@ -12,7 +12,6 @@ trainer asks of LoRA is here:
     save_adapter / load_adapter                   ckpt/ as a PEFT adapter directory (PeftModel.from_pretrained loads it)
 """
 import contextlib
-import json
 import os
 
 import torch
@@ -47,8 +46,7 @@ def effective_weight(linear):
     """(weight, bias) that computes what the module computes at eval: a plain nn.Linear's own, or for a LoRA layer
     W + sum_a (alpha/r)_a B_a A_a (in float32, rounded once to W's dtype), its base's bias; None for anything else
     (DoRA, a merged or disabled adapter, a quantized base: the caller keeps the module's own forward)"""
-    if type(linear) is torch.nn.Linear or (isinstance(linear, torch.nn.Linear)
-                                           and type(linear).forward is torch.nn.Linear.forward):
+    if isinstance(linear, torch.nn.Linear) and type(linear).forward is torch.nn.Linear.forward:
         return linear.weight, linear.bias
     if not is_lora(linear):
         return None
@@ -76,10 +74,6 @@ def disabled(model):
             m.enable_adapters(True)
 
 
-def has_lora(model):
-    return any(is_lora(m) for m in model.modules())
-
-
 def save_adapter(model, path, base_model, r, alpha, dropout, targets):
     """PEFT's adapter directory: adapter_config.json + adapter_model.safetensors (float32), loadable by
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), path)"""
@@ -93,10 +87,6 @@ def save_adapter(model, path, base_model, r, alpha, dropout, targets):
               os.path.join(path, "adapter_model.safetensors"))
 
 
-def is_adapter_dir(path):
-    return os.path.isfile(os.path.join(path, "adapter_config.json"))
-
-
 def load_adapter(model, path):
     """the adapter weights of a save_adapter directory into a model that add_lora prepared with the same config"""
     from peft import set_peft_model_state_dict
@@ -106,4 +96,3 @@ def load_adapter(model, path):
     result = set_peft_model_state_dict(model, state)
     if getattr(result, "unexpected_keys", None):
         raise ValueError(f"{path}: adapter weights that match no LoRA layer of the model: {result.unexpected_keys[:4]}")
-    return json.load(open(os.path.join(path, "adapter_config.json")))

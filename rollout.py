@@ -360,8 +360,6 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         forward_fn = decode_forward if fused is not None else model_forward
         LAST.clear()
         LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None)
-        if compiled and model in UNCOMPILABLE:  # said once, when it failed; decoded uncompiled since
-            compiled, LAST["compile_error"] = False, UNCOMPILABLE[model]
 
         def make_step(sl):
             st = SimpleNamespace(layers=layers, rows=sl.rows, done=sl.done, start=start, slot=slot, G=G,
@@ -409,7 +407,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                 step()
                 s += 1
         LAST["steps"] = s - 1
-        LAST["compiled"] = compiled and model not in UNCOMPILABLE
+        LAST["compiled"] = compiled and model not in UNCOMPILABLE  # (a failure is said once, then not retried)
         if model in UNCOMPILABLE:
             LAST["compile_error"] = UNCOMPILABLE[model]
         # the path in one word: compiled (+ graph on CUDA) | fallback (compile failed: uncompiled) | graph | eager

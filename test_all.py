@@ -1709,8 +1709,8 @@ def test_lora_decode_folds_adapters_greedy_equal_peft():
 def test_lora_run_saves_peft_adapter_and_resumes():
     """grpo.py --lora_r=4 (with beta > 0: the reference is the base, adapters off): the base weights stay
     bit-identical, the adapters move, ckpt/ is a PEFT adapter directory that PeftModel.from_pretrained loads into
-    the same logits, resume continues exactly (the weights of a straight run); without peft the flag is refused before anything loads, naming pip install
-    peft; under torchrun FSDP2 it is refused, naming --fsdp=False"""
+    the same logits, resume continues exactly (the weights of a straight run); without peft the flag is refused
+    before anything loads, naming pip install peft; under torchrun FSDP2 it is refused, naming --fsdp=False"""
     import importlib.util
     import tempfile
     from safetensors.torch import load_file
@@ -1735,8 +1735,8 @@ def test_lora_run_saves_peft_adapter_and_resumes():
     base = load_file(os.path.join(_tiny_model_dir(), "model.safetensors"))
     state = {n: p.detach() for n, p in res.model.named_parameters()}
     for n, w in base.items():
-        assert torch.equal(state[n.replace(".weight", ".base_layer.weight") if n.replace(
-            ".weight", ".base_layer.weight") in state else n].cpu(), w), f"base weight {n} changed"
+        wrapped = n.replace(".weight", ".base_layer.weight")  # (a projection with an adapter holds W as base_layer)
+        assert torch.equal(state[wrapped if wrapped in state else n].cpu(), w), f"base weight {n} changed"
     ckpt = os.path.join(out, "ckpt")
     assert sorted(os.listdir(ckpt))[:2] == ["adapter_config.json", "adapter_model.safetensors"], os.listdir(ckpt)
     assert not os.path.exists(os.path.join(ckpt, "model.safetensors"))
