@@ -18,6 +18,7 @@ each prompt's first real column, slot (1,) this step's completion column, G, and
 """
 import math
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 import triton
@@ -190,6 +191,161 @@ def num_splits(n, kvh, device):
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(64, triton.next_power_of_2(math.ceil(SPLIT_WAVES * sms / (n * kvh)))))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# decode GEMMs: one Triton kernel with the layer's elementwise work in its prologue/epilogue, torch reference
+
+
+@triton.jit
+def _decode_linear_kernel(x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_PER, eps,
+                          stride_xm, stride_wn, stride_rm, stride_ym,
+                          NORM: tl.constexpr, GLU: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+                          SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    """program (n tile, m tile, k split): y[m, n] = epilogue(sum over the split's K range of x[m, k] W[n, k]).
+    NORM (RMSNorm folded in): sum_k (x_k r g_k) W_nk = r sum_k (x_k g_k) W_nk with r = rsqrt(mean_k x_k^2 + eps),
+    so the dot takes x * g and the row scale r multiplies the accumulator; sum x^2 rides along the same x loads.
+    GLU: W is [gate; up] (2N, K), y = silu(a_gate) * a_up (the two rows of a pair in the same program).
+    RESIDUAL: y = r + a. SPLIT_K > 1 (few output tiles, long K: more programs to pull HBM): each split stores its
+    float32 partial sums and bumps the tile's counter; the split that arrives last sums the partials in split order
+    (the same bits whichever arrives last), runs the epilogue and resets the counter for the next launch."""
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # (GLU only)
+    ss = tl.zeros((BLOCK_M,), tl.float32)  # (NORM only) sum of x^2 over this split's K range
+    for k0 in range(pid_k * K_PER, tl.minimum(pid_k * K_PER + K_PER, K), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.)  # (BLOCK_M, BLOCK_K)
+        if NORM:
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, 1)
+            g = tl.load(g_ptr + offs_k, mask=k_ok, other=0.).to(tl.float32)
+            x = (xf * g[None, :]).to(w_ptr.dtype.element_ty)
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.)  # (BLOCK_N, BLOCK_K)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if GLU:
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=n_ok[:, None] & k_ok[None, :], other=0.)
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+    last = True
+    if SPLIT_K > 1:  # partials (tiles, SPLIT_K, BLOCK_M, 2 BLOCK_N + 1): [acc | acc_up | ss]
+        tile = pid_m * tl.num_programs(0) + pid_n
+        W_P: tl.constexpr = 2 * BLOCK_N + 1
+        base = part_ptr + tile * (SPLIT_K * BLOCK_M * W_P) + tl.arange(0, BLOCK_M)[:, None] * W_P
+        offs_c = tl.arange(0, BLOCK_N)[None, :]
+        tl.store(base + pid_k * BLOCK_M * W_P + offs_c, acc)
+        tl.store(base + pid_k * BLOCK_M * W_P + BLOCK_N + offs_c, acc_up)
+        tl.store(base + pid_k * BLOCK_M * W_P + 2 * BLOCK_N + offs_c * 0, ss[:, None], mask=offs_c == 0)
+        last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            ss2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in range(SPLIT_K):  # in split order: deterministic
+                acc += tl.load(base + s * BLOCK_M * W_P + offs_c, cache_modifier=".cg")
+                acc_up += tl.load(base + s * BLOCK_M * W_P + BLOCK_N + offs_c, cache_modifier=".cg")
+                ss2 += tl.load(base + s * BLOCK_M * W_P + 2 * BLOCK_N + offs_c * 0, cache_modifier=".cg")
+            ss = tl.max(ss2, 1)  # (the column was broadcast: every entry of a row is the same)
+            tl.atomic_xchg(count_ptr + tile, 0)
+    if last:
+        if NORM:
+            r = tl.rsqrt(ss / K + eps)[:, None]
+            acc, acc_up = acc * r, acc_up * r
+        if BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.).to(tl.float32)[None, :]
+            if GLU:
+                acc_up += tl.load(b_ptr + N + offs_n, mask=n_ok, other=0.).to(tl.float32)[None, :]
+        if GLU:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        if RESIDUAL:
+            acc += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=m_ok[:, None] & n_ok[None, :],
+                           other=0.).to(tl.float32)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+GEMM_BLOCK_N = 64  # output columns per program (the decode GEMMs: M = live rows, 8-128)
+GEMM_BLOCK_K = 128  # reduction step; a stage holds BLOCK_M x BLOCK_K of x and BLOCK_N x BLOCK_K of W (twice: GLU)
+GEMM_WAVES = 1  # split K until there are this many programs per SM (small-N GEMMs: o_proj, down_proj)
+GEMM_SMEM = 160 * 1024  # bytes of shared memory the pipeline stages may take (H100/H200: 227 KiB a block)
+COUNTERS = {}  # device -> int32 tile counters for split K (zero between launches: the last split resets its own)
+
+
+def linear_config(M, N, K, glu, device):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_stages) for a decode GEMM: one m tile up to 128 rows (W is read
+    once), BLOCK_N columns, K split in whole BLOCK_K steps until the grid covers GEMM_WAVES x the SMs, as many
+    pipeline stages as fit GEMM_SMEM"""
+    BM, BN, BK = min(128, max(16, triton.next_power_of_2(M))), GEMM_BLOCK_N, GEMM_BLOCK_K
+    tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    split = 1
+    while tiles * split * 2 <= GEMM_WAVES * sms and triton.cdiv(K, BK) >= 4 * split:  # >= 2 K steps a split
+        split *= 2
+    stage = (BM + BN * (2 if glu else 1)) * BK * 2
+    return BM, BN, BK, split, max(2, min(4, GEMM_SMEM // stage))
+
+
+def decode_linear_triton(x, w, b=None, g=None, residual=None, eps=1e-6, glu=False, config=None):
+    """(M, K) x, (N or 2N, K) W -> (M, N): RMSNorm(x; g, eps) if g is given, then x @ W^T + b, then
+    silu(gate) * up if glu, then + residual (M, N); one launch (decode_linear_torch is the same in torch ops).
+    config: linear_config's tuple, to override it (bench_rollout.py gemms)."""
+    M, K = x.shape
+    N = w.shape[0] // (2 if glu else 1)
+    assert x.stride(1) == w.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+    BM, BN, BK, split, stages = config or linear_config(M, N, K, glu, x.device)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), split)
+    part, count = y, y  # (unused without a split)
+    if split > 1:
+        part = torch.empty(grid[0] * grid[1] * split * BM * (2 * BN + 1), dtype=torch.float32, device=x.device)
+        count = COUNTERS.get(x.device)
+        if count is None or count.numel() < grid[0] * grid[1]:  # (first call: the graph's warm-up, never a capture)
+            count = COUNTERS[x.device] = torch.zeros(max(4096, grid[0] * grid[1]), dtype=torch.int32,
+                                                     device=x.device)
+    dummy = w  # (pointers a disabled branch never reads)
+    _decode_linear_kernel[grid](
+        x, dummy if g is None else g, w, dummy if b is None else b, dummy if residual is None else residual, y, part,
+        count, M, N, K, triton.cdiv(triton.cdiv(K, split), BK) * BK, eps, x.stride(0), w.stride(0),
+        0 if residual is None else residual.stride(0), y.stride(0),
+        NORM=g is not None, GLU=glu, BIAS=b is not None, RESIDUAL=residual is not None, SPLIT_K=split,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=stages)
+    return y
+
+
+def decode_linear_torch(x, w, b=None, g=None, residual=None, eps=1e-6, glu=False):
+    """reference (and the CPU path): what the model's modules compute, in their order and roundings (transformers'
+    RMSNorm: float32 statistics, normalized x back in x's dtype, then times the weight)"""
+    if g is not None:
+        xf = x.float()
+        x = g * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = torch.nn.functional.linear(x, w, b)
+    if glu:
+        gate, up = y.chunk(2, -1)
+        y = torch.nn.functional.silu(gate) * up
+    return y if residual is None else residual + y
+
+
+@torch.library.custom_op("nanogrpo::decode_linear", mutates_args=())
+def decode_linear_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], g: Optional[torch.Tensor],
+                     residual: Optional[torch.Tensor], eps: float, glu: bool, impl: str) -> torch.Tensor:
+    """decode_linear_triton (impl "triton") or decode_linear_torch as a torch op, so that torch.compile keeps the
+    one-graph decode with it inside. x (..., K) -> (..., N)"""
+    lead = x.shape[:-1]
+    flat = lambda t: None if t is None else t.reshape(-1, t.shape[-1])  # noqa: E731
+    fn = decode_linear_triton if impl == "triton" else decode_linear_torch
+    return fn(flat(x), w, b, g, flat(residual), eps, glu).reshape(*lead, -1)
+
+
+@decode_linear_op.register_fake
+def _(x, w, b, g, residual, eps, glu, impl):
+    return x.new_empty(*x.shape[:-1], w.shape[0] // (2 if glu else 1))
 
 
 # ----------------------------------------------------------------------------------------------------------------

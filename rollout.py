@@ -44,7 +44,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from decode_kernels import decode_attention_op, sample, sample_triton
+from decode_kernels import decode_attention_op, decode_linear_op, sample, sample_triton
 from kv_reuse import positions, reuse_unsupported, trim_left_padding
 from lora import effective_weight
 
@@ -58,6 +58,8 @@ COMPILE = True  # torch.compile the decode forward (fuses norms, RoPE, MLP; atte
 COMPILE_MIN_TOKENS = 512  # ...from this many new tokens on: the first compile costs ~20 s, a step saves ~1 ms
 COMPILE_BACKEND = "inductor"  # on CUDA; on the CPU only another backend compiles (tests: aot_eager, no C++ compiler)
 FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); False: the model's own forward
+DECODE_GEMM = "torch"  # decode_forward's GEMMs: torch (cuBLAS; the compiler fuses norms, SiLU, residuals around them)
+#                        | triton (decode_kernels.decode_linear: RMSNorm, SiLU*up, residual inside the GEMM's launch)
 LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl, decode path (tests, benchmarks)
 
 DECODE_STATE = []  # the decode state of the step being run (or captured): caches, slot -> row map, column
@@ -193,6 +195,30 @@ def fuse_projections(model):
     return fused
 
 
+def triton_gemms_fit(model, device):
+    """decode_forward's GEMMs may be decode_kernels.decode_linear (DECODE_GEMM = "triton"): its prologue is
+    transformers' RMSNorm (weight * x / rms, eps variance_epsilon), its epilogue SiLU(gate) * up, its inputs and
+    weights one dtype (no autocast)"""
+    norms = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+    return (getattr(model.config, "hidden_act", None) == "silu" and not torch.is_autocast_enabled(device.type)
+            and all(type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") for m in norms)
+            and all(p.dtype == model.model.embed_tokens.weight.dtype for p in model.model.layers.parameters()))
+
+
+def project(st, x, w, b, norm=None, act=None, residual=None):
+    """one decode GEMM with its neighbours: residual + act(norm(x) @ W^T + b), act(y) = act_fn(gate) * up on W's
+    two halves [gate; up]. st.gemm "triton": one decode_kernels launch; else the model's modules and F.linear"""
+    if st.gemm == "triton":
+        return torch.ops.nanogrpo.decode_linear(x, w, b, None if norm is None else norm.weight, residual,
+                                                0. if norm is None else norm.variance_epsilon, act is not None,
+                                                "triton")
+    y = F.linear(x if norm is None else norm(x), w, b)
+    if act is not None:
+        gate, up = y.chunk(2, -1)
+        y = act(gate) * up
+    return y if residual is None else residual + y
+
+
 def decode_forward(model, fused, st, tok, pos):
     """model_forward for one decode step with fused projections: the model's own modules (embedding, RoPE,
     RMSNorms, q/k norms, activation, LM head) in the order its forward calls them, but q|k|v = x @ W_qkv^T + b_qkv
@@ -208,7 +234,7 @@ def decode_forward(model, fused, st, tok, pos):
                                                                                             st.layers):
         attn, mlp = layer.self_attn, layer.mlp
         D = attn.head_dim
-        q, k, v = F.linear(layer.input_layernorm(h), w_qkv, b_qkv).split(
+        q, k, v = project(st, h, w_qkv, b_qkv, norm=layer.input_layernorm).split(
             [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features], -1)
         q, k, v = q.view(n, 1, -1, D), k.view(n, 1, -1, D), v.view(n, 1, -1, D)  # (n, 1, h or kvh, D)
         if hasattr(attn, "q_norm"):  # qwen3: RMSNorm per head before RoPE
@@ -216,9 +242,9 @@ def decode_forward(model, fused, st, tok, pos):
         q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (n, h, 1, D), (n, kvh, 1, D)
         o = torch.ops.nanogrpo.decode_attention(q, k, v.transpose(1, 2), pk, pv, ck, cv, st.rows, st.done,
                                                 st.start, st.slot, st.G, attn.scaling, st.impl)  # (n, 1, h, D)
-        h = h + F.linear(o.reshape(n, 1, -1).to(h.dtype), w_o, b_o)
-        gate, up = F.linear(layer.post_attention_layernorm(h), w_gu, b_gu).chunk(2, -1)  # (n, 1, I) each
-        h = h + F.linear(mlp.act_fn(gate) * up, w_down, b_down)
+        h = project(st, o.reshape(n, 1, -1).to(h.dtype), w_o, b_o, residual=h)
+        a = project(st, h, w_gu, b_gu, norm=layer.post_attention_layernorm, act=mlp.act_fn)  # (n, 1, I)
+        h = project(st, a, w_down, b_down, residual=h)
     return model.lm_head(trunk.norm(h))[:, -1]
 
 
@@ -358,12 +384,13 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                                 pos=pos[:, -1:].repeat_interleave(G, 0) + 1, done=done)  # (n,), (n, 1), (n, 1), (n,)
         fused = fuse_projections(model) if FUSE else None
         forward_fn = decode_forward if fused is not None else model_forward
+        gemm = "triton" if DECODE_GEMM == "triton" and fused is not None and triton_gemms_fit(model, dev) else "torch"
         LAST.clear()
-        LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None)
+        LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None, gemm=gemm)
 
         def make_step(sl):
             st = SimpleNamespace(layers=layers, rows=sl.rows, done=sl.done, start=start, slot=slot, G=G,
-                                 impl=attn_impl)  # (the op picks the split count for the slots it gets)
+                                 impl=attn_impl, gemm=gemm)  # (the op picks the split count for the slots it gets)
 
             def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)
                 args = (model, fused, st, sl.tok, sl.pos) if fused is not None else (model, sl.tok, sl.pos)

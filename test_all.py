@@ -639,6 +639,35 @@ def test_rollout_attention_kernel_vs_torch():
 
 
 @check
+@_kv_one_thread
+def test_rollout_decode_linear_kernel_vs_torch():
+    """decode_kernels.decode_linear (one launch: RMSNorm folded in, x @ W^T + b, SiLU(gate) * up, + residual) ==
+    the model's modules in torch ops, for the four GEMMs of a decode layer (q|k|v, o_proj, gate|up, down_proj),
+    rows that fill no tile (5) and two m tiles (17 rows, 16-row tiles), K not a whole number of steps, float32 and
+    float16, without and with split K (2 and 3 splits: partials summed by the last split to arrive); the split
+    counters are back at 0 after each launch (the next launch, or graph replay, counts from 0)"""
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *shape, dt: torch.randn(*shape, generator=g).to(DEVICE, dt)  # noqa: E731
+    layer = dict(qkv=dict(norm=True, bias=True), o=dict(bias=True, residual=True), gate_up=dict(norm=True, glu=True),
+                 down=dict(residual=True))
+    for dt, tol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
+        for name, kind in layer.items():
+            for M, BM, split in ((5, 16, 1), (17, 16, 2), (17, 32, 3)):
+                N, K, glu = 40, 300, kind.get("glu", False)
+                x, w = rnd(M, K, dt=dt), rnd(N * (2 if glu else 1), K, dt=dt) / K ** 0.5
+                b = rnd(w.shape[0], dt=dt) if kind.get("bias") else None
+                gain = 1 + 0.1 * rnd(K, dt=dt) if kind.get("norm") else None
+                res = rnd(M, N, dt=dt) if kind.get("residual") else None
+                got = decode_kernels.decode_linear_triton(x, w, b, gain, res, 1e-6, glu, config=(BM, 16, 32, split, 2))
+                d = lambda t: None if t is None else t.double()  # noqa: E731
+                want = decode_kernels.decode_linear_torch(d(x), d(w), d(b), d(gain), d(res), 1e-6, glu)
+                assert got.shape == (M, N) and got.dtype == dt, f"{name}: {got.shape} {got.dtype}"
+                assert_close(got.double(), want, tol * float(want.abs().max()), f"{name} {dt} M={M} split={split}")
+                if split > 1:
+                    assert int(decode_kernels.COUNTERS[x.device].abs().sum()) == 0, f"{name}: counters not reset"
+
+
+@check
 def test_rollout_sampler_kernel_draws_softmax():
     """the inverse-CDF kernels draw from softmax(logits / T) across vocabulary blocks (4 likely ids in 3 blocks of
     1024 or 1 of 4096, one at the last id, and -inf padding ids that must never be drawn), return each draw's
@@ -710,22 +739,27 @@ def test_rollout_greedy_matches_hf_generate():
     ones; sdpa and eager models; an EOS list that ends row 0 mid-way (the live rows are compacted into smaller
     buckets, asserted), and one that ends every row by step 2 (the trailing all-padding columns are trimmed)"""
     G, T = 3, 12
-    with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True) as rollout:
+    with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True, DECODE_GEMM="torch") as rollout:
         compacted = False
-        for arch, attn, lens, fuse in (("llama", "sdpa", (7, 2, 4), True), ("qwen2", "sdpa", (7, 2, 4), True),
-                                       ("qwen2", "sdpa", (7, 7, 7), True), ("llama", "eager", (7, 2, 4), False),
-                                       ("qwen3", "sdpa", (3, 7, 5), True), ("qwen3", "sdpa", (3, 7, 5), False)):
+        for arch, attn, lens, fuse, gemm in (
+                ("llama", "sdpa", (7, 2, 4), True, "torch"), ("qwen2", "sdpa", (7, 2, 4), True, "torch"),
+                ("qwen2", "sdpa", (7, 7, 7), True, "torch"), ("llama", "eager", (7, 2, 4), False, "torch"),
+                ("qwen3", "sdpa", (3, 7, 5), True, "torch"), ("qwen3", "sdpa", (3, 7, 5), False, "torch"),
+                ("llama", "sdpa", (7, 2, 4), True, "triton"), ("qwen2", "sdpa", (7, 2, 4), True, "triton"),
+                ("qwen3", "sdpa", (3, 7, 5), True, "triton")):
             rollout.FUSE = fuse  # decode_forward (fused q|k|v, gate|up) or the model's own forward
+            rollout.DECODE_GEMM = gemm  # decode_forward's GEMMs: F.linear, or decode_kernels.decode_linear
             model = _kv_model(arch, tied=arch == "qwen2", attn_implementation=attn)
             prompt_ids, prompt_mask, _, _ = _kv_batch(G=G, prompt_lens=lens, seed=3)
             free = _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=99999)
             for eos in ([free[0][3], 98], sorted({row[2] for row in free})):
-                name = f"{arch} {attn} prompts {lens} eos {eos}"
+                name = f"{arch} {attn} {gemm} prompts {lens} eos {eos}"
                 ref = _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=eos)
                 ids, mask = rollout.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=0.0,
                                                     eos_token_id=eos, pad_token_id=0)
                 compacted |= len(rollout.LAST["buckets"]) > 1
                 assert rollout.LAST["fused"] == fuse, f"{name}: fused path {rollout.LAST['fused']}, want {fuse}"
+                assert rollout.LAST["gemm"] == (gemm if fuse else "torch"), f"{name}: gemm {rollout.LAST['gemm']}"
                 assert ids.shape == mask.shape and ids.shape[0] == 3 * G, f"{name}: shapes"
                 lens_ref = [next((i + 1 for i, x in enumerate(row) if x in eos), len(row)) for row in ref]
                 assert ids.shape[1] == max(lens_ref), f"{name}: {ids.shape[1]} columns, want {max(lens_ref)}"
@@ -759,7 +793,8 @@ def test_rollout_greedy_matches_hf_generate():
 def test_rollout_decode_forward_is_one_graph():
     """decode_forward (fused projections, the attention as the op nanogrpo::decode_attention) traces as ONE graph
     under torch.compile(fullgraph=True) (a graph break raises), stays one graph when the live rows are compacted
-    into a smaller bucket (dynamic shapes), and gives model.generate's greedy tokens. aot_eager on the CPU: no C++
+    into a smaller bucket (dynamic shapes), and gives model.generate's greedy tokens; with its GEMMs on cuBLAS and
+    as the op nanogrpo::decode_linear (DECODE_GEMM). aot_eager on the CPU: no C++
     compiler needed; inductor on the GPU is what CUDA runs (COMPILE)."""
     import rollout
     from torch._dynamo.utils import counters
@@ -769,23 +804,24 @@ def test_rollout_decode_forward_is_one_graph():
     eos = [free[0][3], free[1][3]]  # two of three groups end at token 3: the live third fits a bucket of 4 < 9 / 2
     ref = _kv_generate_reference(model, prompt_ids, prompt_mask, 12, eos=eos)
     orig = rollout.decode_forward
-    torch._dynamo.reset()
-    counters.clear()
-    rollout.decode_forward = torch.compile(orig, backend="aot_eager", dynamic=True, fullgraph=True)
-    try:
-        with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True) as r:
-            ids, mask = r.generate_groups(model, prompt_ids, prompt_mask, 3, 12, temperature=0.0, eos_token_id=eos,
-                                          pad_token_id=0)
-            buckets = r.LAST["buckets"]
-    finally:
-        rollout.decode_forward = orig
+    for gemm in ("torch", "triton"):  # (triton: the GEMMs are the op nanogrpo::decode_linear, inside the graph too)
         torch._dynamo.reset()
-    assert len(buckets) > 1, f"no compaction: buckets {buckets}"
-    graphs = counters["stats"]["unique_graphs"]
-    assert graphs <= 2, f"{graphs} graphs for buckets {buckets}: a recompile per bucket"  # (static, then dynamic)
-    for row in range(ids.shape[0]):
-        n = int(mask[row].sum())
-        assert ids[row, :n].tolist() == ref[row // 3][:n], f"row {row}"
+        counters.clear()
+        rollout.decode_forward = torch.compile(orig, backend="aot_eager", dynamic=True, fullgraph=True)
+        try:
+            with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True, DECODE_GEMM=gemm) as r:
+                ids, mask = r.generate_groups(model, prompt_ids, prompt_mask, 3, 12, temperature=0.0,
+                                              eos_token_id=eos, pad_token_id=0)
+                buckets, used = r.LAST["buckets"], r.LAST["gemm"]
+        finally:
+            rollout.decode_forward = orig
+            torch._dynamo.reset()
+        assert len(buckets) > 1 and used == gemm, f"{gemm}: buckets {buckets}, gemm {used}"
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs <= 2, f"{gemm}: {graphs} graphs for buckets {buckets}: a recompile per bucket"  # (static, dynamic)
+        for row in range(ids.shape[0]):
+            n = int(mask[row].sum())
+            assert ids[row, :n].tolist() == ref[row // 3][:n], f"{gemm}: row {row}"
 
 @check
 @_kv_one_thread
