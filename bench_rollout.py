@@ -3,8 +3,12 @@ Benchmark of rollout.py's generate_groups against the HBM roofline (GPU: random-
 CPU: a smoke run on a tiny model):
 
     python bench_rollout.py [WORKLOAD ...] [--no-hf]   # uniform, ragged, uniform-1.5B, trainer; --no-hf: ours only
-    python bench_rollout.py gemms                      # each decode GEMM alone (cuBLAS) vs its bytes' time
+    python bench_rollout.py rows [0.5B] [1.5B]         # ms per decode step at 128..8 live rows vs its roofline
+    python bench_rollout.py gemms [sweep]              # each decode GEMM alone: cuBLAS, decode_linear (+ its tiles)
     python bench_rollout.py profile [1.5B]             # one decode step, kernel by kernel (torch.profiler)
+
+Any of them takes module.GLOBAL=value arguments first set on rollout or decode_kernels (an A/B of a knob:
+`python bench_rollout.py rows rollout.DECODE_GEMM="'triton'"`).
 
 The roofline of a workload is the sum over its decode steps of (weight bytes + live K/V bytes) / bandwidth
 (decode_bytes); frac = measured tok/s / roofline tok/s. model.generate is timed beside it for the x HF column.
@@ -15,6 +19,8 @@ import sys
 import torch
 import triton
 
+import decode_kernels
+import rollout
 from kv_reuse import sync
 from rollout import LAST, generate_groups
 
@@ -182,37 +188,92 @@ def main(names):
     sys.stdout.flush()
 
 
-def bench_gemms():
-    """`python bench_rollout.py gemms`: each decode GEMM alone (cuBLAS, triton.testing.do_bench) at M = 128 and 8 rows
-    against the time its bytes take at the datasheet bandwidth. The gap is a per-kernel floor that barely moves with
-    M, so the few-row steps of a ragged rollout's tail are further from their roofline than full steps are."""
+def bench_rows(shapes=("0.5B", "1.5B"), row_counts=(128, 64, 32, 16, 8), P=64, T=1024):
+    """`python bench_rollout.py rows`: the decode step at a fixed number of live rows (groups of 8 prompts' rows, no
+    EOS, T new tokens), ms per step against its roofline: (weights + the live K/V of the average step) / bandwidth.
+    A ragged rollout's tail runs at 8-16 rows; a GPU of several holds fewer rows than one alone."""
+    bw = spec_bandwidth() or copy_bandwidth() or math.nan
+    shapes = shapes if CUDA else ("tiny",)
+    T = T if CUDA else 48
+    print(f"decode step by live rows on {torch.cuda.get_device_name() if CUDA else 'cpu'}: P={P}, {T} new tokens, no "
+          f"EOS; roofline = (weights + live K/V) / {bw / 1e12:.2f} TB/s; GEMMs {rollout.DECODE_GEMM}, attention "
+          f"{rollout.ATTENTION}, compile {rollout.COMPILE}")
+    print(f"{'model':>5} {'rows':>5} | {'ms/step':>8} {'roof ms':>8} {'frac':>5} | {'tok/s':>8}  path")
+    for shape in shapes:
+        model = bench_model(shape)
+        for n in row_counts if CUDA else (8,):
+            G = min(n, 8)
+            prompt_ids = torch.randint(3, model.config.vocab_size, (n // G, P), device=DEV,
+                                       generator=torch.Generator(device=DEV).manual_seed(1))
+            keep, dt, _, last = bench_ours(model, prompt_ids, G, T, ())
+            steps = max(last["steps"], 1)
+            roof = decode_bytes(model, torch.ones_like(prompt_ids), keep, G) / bw / steps * 1e3
+            ms = dt / steps * 1e3
+            print(f"{shape:>5} {n:>5} | {ms:>8.3f} {roof:>8.3f} {roof / ms:>5.2f} | {keep.sum() / dt:>8.0f}  "
+                  f"{last.get('path')} gemm={last.get('gemm')}", flush=True)
+        del model
+        sync()
+
+
+def bench_gemms(sweep=False):
+    """`python bench_rollout.py gemms [sweep]`: each decode GEMM of a layer alone at M = 128, 32 and 8 rows, against
+    the time its bytes take at the datasheet bandwidth: cuBLAS's plain x @ W^T, and decode_kernels.decode_linear
+    with the layer's work folded in (RMSNorm before q|k|v and gate|up, SiLU(gate)*up after gate|up, the residual
+    after o and down) on linear_config's tiles; sweep: also every (BLOCK_N, split) of a grid, the best printed (its
+    tuple is what to put into linear_config). cuBLAS's gap to the bytes is a per-kernel floor that barely moves
+    with M, so the few-row steps of a ragged rollout's tail are further from their roofline than full steps are."""
     import time
     from triton.testing import do_bench
 
-    def us(fn):  # (do_bench wants a GPU driver; the CPU smoke run times 20 calls)
+    def us(fn):  # (do_bench wants a GPU driver; the CPU smoke run times 3 calls)
         if CUDA:
             return do_bench(fn, warmup=10, rep=40) * 1e3
         t = time.perf_counter()
-        for _ in range(20):
+        for _ in range(3):
             fn()
-        return (time.perf_counter() - t) / 20 * 1e6
+        return (time.perf_counter() - t) / 3 * 1e6
     bw = spec_bandwidth() or copy_bandwidth() or math.nan  # (the CPU has no HBM figure: times only)
     dt = torch.bfloat16 if CUDA else torch.float32
-    print(f"decode GEMMs alone, y = x @ W^T, cuBLAS; bytes = (W + x + y) / {bw / 1e12:.2f} TB/s")
+    print(f"decode GEMMs alone; bytes = (W + x + y [+ residual]) / {bw / 1e12:.2f} TB/s; frac = bytes' time / time")
+    print(f"{'model':>5} {'M':>4} {'gemm':>8} {'N x K':>12} | {'bytes us':>8} | {'cuBLAS us':>9} {'frac':>5} | "
+          f"{'triton us':>9} {'frac':>5} {'tiles':>22}" + (f" | {'best us':>7} {'frac':>5} {'best tiles':>22}"
+                                                           if sweep else ""))
     for shape in [s for s in SHAPES if s != "tiny"] if CUDA else ["tiny"]:
         c = SHAPES[shape]
         h, I, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
         D = h // c["num_attention_heads"]
-        gemms = {"q|k|v": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * D, h), "o": (h, h),
-                 "gate|up": (2 * I, h), "down": (h, I), "lm_head": (V, h)}
-        for M in (128, 8):
-            cells = []
-            for name, (N, K) in gemms.items():
-                w, x = torch.randn(N, K, device=DEV, dtype=dt), torch.randn(M, K, device=DEV, dtype=dt)
+        gemms = {"q|k|v": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * D, h, dict(norm=True)),
+                 "o": (h, h, dict(residual=True)), "gate|up": (2 * I, h, dict(norm=True, glu=True)),
+                 "down": (h, I, dict(residual=True)), "lm_head": (V, h, None)}
+        for M in (128, 32, 8):
+            for name, (N, K, kind) in gemms.items():
+                w, x = torch.randn(N, K, device=DEV, dtype=dt) / K ** 0.5, torch.randn(M, K, device=DEV, dtype=dt)
                 t = us(lambda: x @ w.T)
                 ideal = (N * K + M * K + M * N) * x.element_size() / bw * 1e6
-                cells.append(f"{name} {N}x{K}: {t:.1f} us (bytes {ideal:.1f}, {ideal / t:.2f})")
-            print(f"{shape} M={M:3d} | " + " | ".join(cells), flush=True)
+                line = f"{shape:>5} {M:>4} {name:>8} {f'{N}x{K}':>12} | {ideal:>8.1f} | {t:>9.1f} {ideal / t:>5.2f} |"
+                if kind is not None:
+                    glu = kind.get("glu", False)
+                    g = torch.ones(K, device=DEV, dtype=dt) if kind.get("norm") else None
+                    res = torch.randn(M, N, device=DEV, dtype=dt) if kind.get("residual") else None
+                    run = lambda cfg: decode_kernels.decode_linear_triton(x, w, None, g, res, 1e-6, glu,  # noqa
+                                                                          config=cfg)
+                    cfg = decode_kernels.linear_config(M, N // (2 if glu else 1), K, glu, x.device)
+                    tt = us(lambda: run(cfg))
+                    line += f" {tt:>9.1f} {ideal / tt:>5.2f} {str(cfg):>22}"
+                    if sweep and CUDA:
+                        best = (tt, cfg)
+                        for BN in (32, 64, 128):
+                            for split in (1, 2, 4, 8):
+                                BM, _, BK, _, stages = decode_kernels.linear_config(M, N, K, glu, x.device)
+                                BK = 64 if (BM + BN * (2 if glu else 1)) * 128 * 2 * 2 > decode_kernels.GEMM_SMEM \
+                                    else 128
+                                if triton.cdiv(K, BK) < 2 * split:
+                                    continue
+                                trial = (BM, BN, BK, split, max(2, min(4, decode_kernels.GEMM_SMEM //
+                                                                       ((BM + BN * (2 if glu else 1)) * BK * 2))))
+                                best = min(best, (us(lambda: run(trial)), trial))
+                        line += f" | {best[0]:>7.1f} {ideal / best[0]:>5.2f} {str(best[1]):>22}"
+                print(line, flush=True)
 
 
 def bench_profile(shape="1.5B", row_counts=(128, 32, 8), P=64, T=512):
@@ -259,10 +320,28 @@ def bench_profile(shape="1.5B", row_counts=(128, 32, 8), P=64, T=512):
         sys.stdout.flush()
 
 
+def set_globals(args):
+    """module.GLOBAL=value arguments (rollout or decode_kernels) set, the rest returned"""
+    import ast
+    rest = []
+    for a in args:
+        mod, _, key = a.partition("=")[0].partition(".")
+        if mod in ("rollout", "decode_kernels") and "=" in a:
+            assert hasattr(sys.modules[mod], key), f"{mod} has no global {key}"
+            setattr(sys.modules[mod], key, ast.literal_eval(a.partition("=")[2]))
+            print(f"{mod}.{key} = {getattr(sys.modules[mod], key)!r}")
+        else:
+            rest.append(a)
+    return rest
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["gemms"]:
-        bench_gemms()
-    elif sys.argv[1:2] == ["profile"]:
-        bench_profile(*sys.argv[2:3])
+    argv = set_globals(sys.argv[1:])
+    if argv[:1] == ["gemms"]:
+        bench_gemms(sweep="sweep" in argv)
+    elif argv[:1] == ["rows"]:
+        bench_rows(*(argv[1:] or [("0.5B", "1.5B")]))
+    elif argv[:1] == ["profile"]:
+        bench_profile(*argv[1:2])
     else:
-        main(sys.argv[1:])
+        main(argv)
