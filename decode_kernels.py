@@ -227,12 +227,12 @@ def _decode_linear_kernel(x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, co
             ss += tl.sum(xf * xf, 1)
             g = tl.load(g_ptr + offs_k, mask=k_ok, other=0.).to(tl.float32)
             x = (xf * g[None, :]).to(w_ptr.dtype.element_ty)
-        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.)  # (BLOCK_N, BLOCK_K)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]  # W^T's tile (BLOCK_K, BLOCK_N)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
         if GLU:
-            w_up = tl.load(w_ptrs + N * stride_wn, mask=n_ok[:, None] & k_ok[None, :], other=0.)
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.)
+            acc_up = tl.dot(x, w_up, acc_up, input_precision=PRECISION)
     last = True
     if SPLIT_K > 1:  # partials (tiles, SPLIT_K, BLOCK_M, 2 BLOCK_N + 1): [acc | acc_up | ss]
         tile = pid_m * tl.num_programs(0) + pid_n

@@ -667,6 +667,46 @@ def test_rollout_decode_linear_kernel_vs_torch():
                     assert int(decode_kernels.COUNTERS[x.device].abs().sum()) == 0, f"{name}: counters not reset"
 
 
+def _decode_linear_for_hopper():
+    """test_rollout_decode_linear_compiles_for_hopper's body, run in a process without TRITON_INTERPRET (the
+    interpreter patches triton.language while it is on)"""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    fn = decode_kernels._decode_linear_kernel
+    types = dict(x_ptr="*bf16", g_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", r_ptr="*bf16", y_ptr="*bf16",
+                 part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32", K_PER="i32", eps="fp32",
+                 stride_xm="i32", stride_wn="i32", stride_rm="i32", stride_ym="i32")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in types and a not in ("M", "eps")}
+    layer = dict(qkv=dict(NORM=True, BIAS=True), o=dict(BIAS=True, RESIDUAL=True), gate_up=dict(NORM=True, GLU=True),
+                 down=dict(RESIDUAL=True))
+    for name, flags in layer.items():
+        for M, split in ((8, 1), (128, 1)) + (((8, 4),) if flags.get("RESIDUAL") else ()):  # (split K: o, down)
+            BM, BN, BK, _, stages = decode_kernels.linear_config(M, 1536, 8960, flags.get("GLU", False),
+                                                                  torch.device("cpu"))
+            const = {**dict(NORM=False, GLU=False, BIAS=False, RESIDUAL=False), **flags, **dict(
+                SPLIT_K=split, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, PRECISION="tf32")}
+            src = ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}}, constexprs=const,
+                            attrs=attrs)
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=stages))
+            what = f"{name} M={M} split={split} tiles {(BM, BN, BK)} stages {stages}"
+            assert k.metadata.shared <= 227 * 1024, f"{what}: {k.metadata.shared} B of shared memory"
+            assert "async_copy" in k.asm["ttgir"], f"{what}: the K loop is not pipelined"
+
+
+@check
+def test_rollout_decode_linear_compiles_for_hopper():
+    """the interpreter runs decode_linear's Python, not its lowering: compiled ahead of time for sm_90 (H100/H200;
+    triton's own ptxas, no GPU), each of a layer's four GEMMs at 8 and 128 rows (o, down: with split K) builds, fits the
+    227 KiB of shared memory, and its K loop is software-pipelined (cp.async stages: what a memory-bound GEMM
+    needs). The pointer/stride divisibility the JIT would specialize on is given, as it is on a GPU."""
+    import subprocess
+    res = subprocess.run([sys.executable, "-c", "import test_all; test_all._decode_linear_for_hopper()"],
+                         cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
 @check
 def test_rollout_sampler_kernel_draws_softmax():
     """the inverse-CDF kernels draw from softmax(logits / T) across vocabulary blocks (4 likely ids in 3 blocks of
