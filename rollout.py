@@ -44,7 +44,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from decode_kernels import decode_attention_op, decode_linear_op, sample, sample_triton
+from decode_kernels import decode_attention_op, decode_linear_op, sample, sample_triton  # noqa: F401 (the ops)
 from kv_reuse import positions, reuse_unsupported, trim_left_padding
 from lora import effective_weight
 
@@ -59,7 +59,8 @@ COMPILE_MIN_TOKENS = 512  # ...from this many new tokens on: the first compile c
 COMPILE_BACKEND = "inductor"  # on CUDA; on the CPU only another backend compiles (tests: aot_eager, no C++ compiler)
 FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); False: the model's own forward
 DECODE_GEMM = "torch"  # decode_forward's GEMMs: torch (cuBLAS; the compiler fuses norms, SiLU, residuals around them)
-#                        | triton (decode_kernels.decode_linear: RMSNorm, SiLU*up, residual inside the GEMM's launch)
+#                | triton (decode_kernels.decode_linear: RMSNorm, RoPE, SiLU*up, residual inside the GEMM's launch)
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose inv_freq never changes (not dynamic NTK)
 LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl, decode path (tests, benchmarks)
 
 DECODE_STATE = []  # the decode state of the step being run (or captured): caches, slot -> row map, column
@@ -219,6 +220,25 @@ def project(st, x, w, b, norm=None, act=None, residual=None):
     return y if residual is None else residual + y
 
 
+def attention_inputs(st, i, layer, h, w_qkv, b_qkv, pos, cos, sin):
+    """layer i's q (n, h, 1, D), k and v (n, kvh, 1, D) at a decode step: q|k|v of the normed h, the q/k norms
+    (qwen3), RoPE. With the triton GEMMs and a static RoPE (st.rope: inv_freq, scale) all of it is one launch"""
+    attn, norm = layer.self_attn, layer.input_layernorm
+    n, D = h.shape[0], attn.head_dim
+    sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+    heads = lambda q, k, v: [t.view(n, 1, -1, D).transpose(1, 2) for t in (q, k, v)]  # noqa: E731
+    if st.gemm == "triton" and st.rope is not None:
+        qkv = torch.ops.nanogrpo.decode_linear(h, w_qkv, b_qkv, norm.weight, None, norm.variance_epsilon, False,
+                                               "triton", pos, st.rope[0], st.qk_norms[i],
+                                               [sizes[0] // D, sizes[1] // D], st.rope[1], st.qk_eps)
+        return heads(*qkv.split(sizes, -1))
+    q, k, v = heads(*project(st, h, w_qkv, b_qkv, norm=norm).split(sizes, -1))
+    if hasattr(attn, "q_norm"):  # qwen3: RMSNorm per head before RoPE
+        q, k = attn.q_norm(q.transpose(1, 2)).transpose(1, 2), attn.k_norm(k.transpose(1, 2)).transpose(1, 2)
+    q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k, v
+
+
 def decode_forward(model, fused, st, tok, pos):
     """model_forward for one decode step with fused projections: the model's own modules (embedding, RoPE,
     RMSNorms, q/k norms, activation, LM head) in the order its forward calls them, but q|k|v = x @ W_qkv^T + b_qkv
@@ -227,20 +247,13 @@ def decode_forward(model, fused, st, tok, pos):
     nanogrpo::decode_attention on the decode state st (caches, slot -> row map, column). (n, V) logits. Under
     torch.compile this is one graph (no break: fullgraph=True), so norms, RoPE and residual adds fuse across layers."""
     trunk = model.model
-    rope = sys.modules[type(trunk.layers[0].self_attn).__module__].apply_rotary_pos_emb
     h = trunk.embed_tokens(tok)  # (n, 1, H)
     n, (cos, sin) = h.shape[0], trunk.rotary_emb(h, pos)
-    for layer, (w_qkv, b_qkv, w_gu, b_gu, w_o, b_o, w_down, b_down), (pk, pv, ck, cv) in zip(trunk.layers, fused,
-                                                                                            st.layers):
+    for i, (layer, (w_qkv, b_qkv, w_gu, b_gu, w_o, b_o, w_down, b_down), (pk, pv, ck, cv)) in enumerate(zip(
+            trunk.layers, fused, st.layers)):
         attn, mlp = layer.self_attn, layer.mlp
-        D = attn.head_dim
-        q, k, v = project(st, h, w_qkv, b_qkv, norm=layer.input_layernorm).split(
-            [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features], -1)
-        q, k, v = q.view(n, 1, -1, D), k.view(n, 1, -1, D), v.view(n, 1, -1, D)  # (n, 1, h or kvh, D)
-        if hasattr(attn, "q_norm"):  # qwen3: RMSNorm per head before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (n, h, 1, D), (n, kvh, 1, D)
-        o = torch.ops.nanogrpo.decode_attention(q, k, v.transpose(1, 2), pk, pv, ck, cv, st.rows, st.done,
+        q, k, v = attention_inputs(st, i, layer, h, w_qkv, b_qkv, pos, cos, sin)  # (n, h, 1, D), (n, kvh, 1, D) x2
+        o = torch.ops.nanogrpo.decode_attention(q, k, v, pk, pv, ck, cv, st.rows, st.done,
                                                 st.start, st.slot, st.G, attn.scaling, st.impl)  # (n, 1, h, D)
         h = project(st, o.reshape(n, 1, -1).to(h.dtype), w_o, b_o, residual=h)
         a = project(st, h, w_gu, b_gu, norm=layer.post_attention_layernorm, act=mlp.act_fn)  # (n, 1, I)
@@ -385,12 +398,20 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         fused = fuse_projections(model) if FUSE else None
         forward_fn = decode_forward if fused is not None else model_forward
         gemm = "triton" if DECODE_GEMM == "triton" and fused is not None and triton_gemms_fit(model, dev) else "torch"
+        rotary, attns = model.model.rotary_emb, [layer.self_attn for layer in model.model.layers]
+        rope = (rotary.inv_freq.float(), float(rotary.attention_scaling)) if gemm == "triton" and getattr(
+            rotary, "rope_type", "default") in STATIC_ROPE else None  # RoPE in the q|k|v GEMM's epilogue
+        qk_norms = [torch.cat([a.q_norm.weight, a.k_norm.weight]) if rope and hasattr(a, "q_norm") else None
+                    for a in attns]  # (2D,) per layer, qwen3
         LAST.clear()
-        LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None, gemm=gemm)
+        LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None, gemm=gemm,
+                    rope="epilogue" if rope else "torch")
 
         def make_step(sl):
             st = SimpleNamespace(layers=layers, rows=sl.rows, done=sl.done, start=start, slot=slot, G=G,
-                                 impl=attn_impl, gemm=gemm)  # (the op picks the split count for the slots it gets)
+                                 impl=attn_impl, gemm=gemm, rope=rope, qk_norms=qk_norms,
+                                 qk_eps=getattr(getattr(attns[0], "q_norm", None), "variance_epsilon", 0.))
+            # (the attention op picks the split count for the slots it gets)
 
             def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)
                 args = (model, fused, st, sl.tok, sl.pos) if fused is not None else (model, sl.tok, sl.pos)

@@ -645,7 +645,8 @@ def test_rollout_decode_linear_kernel_vs_torch():
     the model's modules in torch ops, for the four GEMMs of a decode layer (q|k|v, o_proj, gate|up, down_proj),
     rows that fill no tile (5) and two m tiles (17 rows, 16-row tiles), K not a whole number of steps, float32 and
     float16, without and with split K (2 and 3 splits: partials summed by the last split to arrive); the split
-    counters are back at 0 after each launch (the next launch, or graph replay, counts from 0)"""
+    counters are back at 0 after each launch (the next launch, or graph replay, counts from 0). And q|k|v with
+    RoPE on its q and k heads (v passed through) in the epilogue, with and without qwen3's q/k norms."""
     g = torch.Generator().manual_seed(0)
     rnd = lambda *shape, dt: torch.randn(*shape, generator=g).to(DEVICE, dt)  # noqa: E731
     layer = dict(qkv=dict(norm=True, bias=True), o=dict(bias=True, residual=True), gate_up=dict(norm=True, glu=True),
@@ -665,6 +666,17 @@ def test_rollout_decode_linear_kernel_vs_torch():
                 assert_close(got.double(), want, tol * float(want.abs().max()), f"{name} {dt} M={M} split={split}")
                 if split > 1:
                     assert int(decode_kernels.COUNTERS[x.device].abs().sum()) == 0, f"{name}: counters not reset"
+        D, nq, nk, nv, K = 16, 4, 2, 2, 96  # q|k|v with RoPE (positions up to 3000) and qwen3's q/k norms
+        for qk_norm, bias, M, BM, split in ((False, True, 5, 16, 1), (True, False, 17, 16, 2), (True, True, 17, 32, 1)):
+            x, w = rnd(M, K, dt=dt), rnd((nq + nk + nv) * D, K, dt=dt) / K ** 0.5
+            b, gain = rnd(w.shape[0], dt=dt) if bias else None, 1 + 0.1 * rnd(K, dt=dt)
+            qkn = 1 + 0.1 * rnd(2 * D, dt=dt) if qk_norm else None
+            pos, freq = torch.randint(0, 3000, (M,), generator=g).to(DEVICE), 1e4 ** -(torch.arange(0, D, 2) / D)
+            got = decode_kernels.decode_linear_triton(x, w, b, gain, None, 1e-6, False, (pos, freq.to(DEVICE), 1.0, nq,
+                                                      nk, qkn, 1e-6), config=(BM, 64, 32, split, 2))
+            want = decode_kernels.decode_linear_torch(d(x), d(w), d(b), d(gain), None, 1e-6, False,
+                                                      (pos, freq.double(), 1.0, nq, nk, d(qkn), 1e-6))
+            assert_close(got.double(), want, tol, f"q|k|v RoPE {dt} qk_norm={qk_norm} M={M} split={split}")
 
 
 def _decode_linear_for_hopper():
@@ -675,17 +687,20 @@ def _decode_linear_for_hopper():
     from triton.compiler import ASTSource
     fn = decode_kernels._decode_linear_kernel
     types = dict(x_ptr="*bf16", g_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", r_ptr="*bf16", y_ptr="*bf16",
-                 part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32", K_PER="i32", eps="fp32",
+                 part_ptr="*fp32", count_ptr="*i32", pos_ptr="*i64", freq_ptr="*fp32", qkn_ptr="*bf16", M="i32",
+                 N="i32", K="i32", K_PER="i32", eps="fp32", NQ="i32", NQK="i32", rope_scale="fp32", qk_eps="fp32",
                  stride_xm="i32", stride_wn="i32", stride_rm="i32", stride_ym="i32")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in types and a not in ("M", "eps")}
-    layer = dict(qkv=dict(NORM=True, BIAS=True), o=dict(BIAS=True, RESIDUAL=True), gate_up=dict(NORM=True, GLU=True),
-                 down=dict(RESIDUAL=True))
+    layer = dict(qkv=dict(NORM=True, BIAS=True, ROPE=True, QK_NORM=True), o=dict(BIAS=True, RESIDUAL=True),
+                 gate_up=dict(NORM=True, GLU=True), down=dict(RESIDUAL=True))
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in types and a not in
+             ("M", "eps", "NQ", "NQK", "rope_scale", "qk_eps")}
     for name, flags in layer.items():
         for M, split in ((8, 1), (128, 1)) + (((8, 4),) if flags.get("RESIDUAL") else ()):  # (split K: o, down)
             BM, BN, BK, _, stages = decode_kernels.linear_config(M, 1536, 8960, flags.get("GLU", False),
                                                                   torch.device("cpu"))
-            const = {**dict(NORM=False, GLU=False, BIAS=False, RESIDUAL=False), **flags, **dict(
-                SPLIT_K=split, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, PRECISION="tf32")}
+            const = {**dict(NORM=False, GLU=False, BIAS=False, RESIDUAL=False, ROPE=False, QK_NORM=False), **flags,
+                     **dict(SPLIT_K=split, BLOCK_M=BM, BLOCK_N=64 if flags.get("ROPE") else BN, BLOCK_K=BK,
+                            PRECISION="tf32")}  # (RoPE: BLOCK_N = head_dim / 2)
             src = ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}}, constexprs=const,
                             attrs=attrs)
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=stages))
@@ -697,9 +712,10 @@ def _decode_linear_for_hopper():
 @check
 def test_rollout_decode_linear_compiles_for_hopper():
     """the interpreter runs decode_linear's Python, not its lowering: compiled ahead of time for sm_90 (H100/H200;
-    triton's own ptxas, no GPU), each of a layer's four GEMMs at 8 and 128 rows (o, down: with split K) builds, fits the
-    227 KiB of shared memory, and its K loop is software-pipelined (cp.async stages: what a memory-bound GEMM
-    needs). The pointer/stride divisibility the JIT would specialize on is given, as it is on a GPU."""
+    triton's own ptxas, no GPU), each of a layer's four GEMMs (q|k|v with RoPE and q/k norms) at 8 and 128 rows
+    (o, down: also with split K) builds, fits the 227 KiB of shared memory, and its K loop is software-pipelined
+    (cp.async stages: what a memory-bound GEMM needs). The pointer/stride divisibility the JIT would specialize on
+    is given, as it is on a GPU."""
     import subprocess
     res = subprocess.run([sys.executable, "-c", "import test_all; test_all._decode_linear_for_hopper()"],
                          cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
@@ -800,6 +816,7 @@ def test_rollout_greedy_matches_hf_generate():
                 compacted |= len(rollout.LAST["buckets"]) > 1
                 assert rollout.LAST["fused"] == fuse, f"{name}: fused path {rollout.LAST['fused']}, want {fuse}"
                 assert rollout.LAST["gemm"] == (gemm if fuse else "torch"), f"{name}: gemm {rollout.LAST['gemm']}"
+                assert (rollout.LAST["rope"] == "epilogue") == (gemm == "triton"), f"{name}: {rollout.LAST['rope']}"
                 assert ids.shape == mask.shape and ids.shape[0] == 3 * G, f"{name}: shapes"
                 lens_ref = [next((i + 1 for i, x in enumerate(row) if x in eos), len(row)) for row in ref]
                 assert ids.shape[1] == max(lens_ref), f"{name}: {ids.shape[1]} columns, want {max(lens_ref)}"
@@ -858,7 +875,7 @@ def test_rollout_decode_forward_is_one_graph():
             torch._dynamo.reset()
         assert len(buckets) > 1 and used == gemm, f"{gemm}: buckets {buckets}, gemm {used}"
         graphs = counters["stats"]["unique_graphs"]
-        assert graphs <= 2, f"{gemm}: {graphs} graphs for buckets {buckets}: a recompile per bucket"  # (static, dynamic)
+        assert graphs <= 2, f"{gemm}: {graphs} graphs for buckets {buckets}: a recompile per bucket"  # static, dynamic
         for row in range(ids.shape[0]):
             n = int(mask[row].sum())
             assert ids[row, :n].tolist() == ref[row // 3][:n], f"{gemm}: row {row}"
