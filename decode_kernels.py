@@ -27,6 +27,26 @@ import triton.language as tl
 BLOCK_N = 64  # keys per block in the split kernel
 NUM_WARPS, NUM_STAGES = 4, 3  # the split kernel's launch
 SPLIT_WAVES = 2  # key splits: enough (slot, K/V head, split) programs to fill the GPU this many times over
+PDL = False  # Hopper's programmatic dependent launch for these kernels: each may be launched while the kernel before
+#              it runs, and waits (griddepcontrol.wait) before it reads anything; opt-in until measured (issue 20)
+
+
+def pdl_launch(device):
+    """a launch's PDL arguments: USE_GDC (the kernel waits), launch_pdl (it may start early) when asked for (PDL),
+    on a GPU of compute capability >= 9, not in the interpreter"""
+    import os
+    on = PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 and \
+        os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    return dict(USE_GDC=True, launch_pdl=True) if on else dict(USE_GDC=False)
+
+
+@triton.jit
+def _wait_for_previous_kernel(USE_GDC: tl.constexpr):
+    """under PDL the kernel may start before the one it follows has finished: wait for that one's writes, then let
+    the next kernel be launched (it waits in turn)"""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 # ----------------------------------------------------------------------------------------------------------------
 # decode attention: Triton split-K kernel, merge kernel, torch reference
@@ -61,10 +81,11 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_p
                          stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                          stride_pb, stride_ph, stride_pl, stride_cn, stride_ch, stride_cl,
                          QPK: tl.constexpr, QPK_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                         SPLITS: tl.constexpr, PRECISION: tl.constexpr, USE_GDC: tl.constexpr):
     """program (slot, kv head, split): the QPK query heads of one K/V head against one contiguous range [lo, hi) of
     the row's keys, numbered [prompt's real columns | completion columns 0..t]; t = slot_ptr[0] is this step's
     column. The split that owns column t first stores this step's K/V there (knew/vnew)."""
+    _wait_for_previous_kernel(USE_GDC)
     pid_n, pid_h, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = tl.load(rows_ptr + pid_n).to(tl.int64)
     b = row // G
@@ -109,8 +130,9 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_p
 
 
 @triton.jit
-def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr):
+def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr, USE_GDC: tl.constexpr):
     """program (slot*h + head): merge the SPLITS partial outputs by their log-sum-exp (log2 units)"""
+    _wait_for_previous_kernel(USE_GDC)
     pid = tl.program_id(0)
     offs_s = tl.arange(0, SPLITS)
     offs_d = tl.arange(0, D)
@@ -142,9 +164,9 @@ def decode_attention_triton(q, k_new, v_new, layer, st, scale):
         pk.stride(0), pk.stride(1), pk.stride(2), ck.stride(0), ck.stride(1), ck.stride(2),
         QPK=QPK, QPK_PAD=max(16, triton.next_power_of_2(QPK)), D=D, BLOCK_N=BLOCK_N, SPLITS=S,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # an fp32 model gets fp32 attention, not TF32
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_launch(q.device))
     if S > 1:
-        _decode_merge_kernel[(n * h,)](o, lse, out, D=D, SPLITS=S, num_warps=1)
+        _decode_merge_kernel[(n * h,)](o, lse, out, D=D, SPLITS=S, num_warps=1, **pdl_launch(q.device))
     return out
 
 
@@ -204,7 +226,7 @@ def _decode_linear_kernel(x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, co
                           NORM: tl.constexpr, GLU: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                           ROPE: tl.constexpr, QK_NORM: tl.constexpr,
                           SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                          PRECISION: tl.constexpr, USE_GDC: tl.constexpr):
     """program (n tile, m tile, k split): y[m, n] = epilogue(sum over the split's K range of x[m, k] W[n, k]).
     NORM (RMSNorm folded in): sum_k (x_k r g_k) W_nk = r sum_k (x_k g_k) W_nk with r = rsqrt(mean_k x_k^2 + eps),
     so the dot takes x * g and the row scale r multiplies the accumulator; sum x^2 rides along the same x loads.
@@ -216,6 +238,7 @@ def _decode_linear_kernel(x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, co
     v heads pass through. SPLIT_K > 1 (few output tiles, long K: more programs to pull HBM): each split stores its
     float32 partial sums and bumps the tile's counter; the split that arrives last sums the partials in split order
     (the same bits whichever arrives last), runs the epilogue and resets the counter for the next launch."""
+    _wait_for_previous_kernel(USE_GDC)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * (2 * BLOCK_N if ROPE else BLOCK_N) + tl.arange(0, BLOCK_N)
@@ -349,7 +372,7 @@ def decode_linear_triton(x, w, b=None, g=None, residual=None, eps=1e-6, glu=Fals
         NORM=g is not None, GLU=glu, BIAS=b is not None, RESIDUAL=residual is not None, ROPE=rope is not None,
         QK_NORM=qkn is not None, SPLIT_K=split,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=stages)
+        num_warps=4, num_stages=stages, **pdl_launch(x.device))
     return y
 
 

@@ -700,13 +700,14 @@ def _decode_linear_for_hopper():
                                                                   torch.device("cpu"))
             const = {**dict(NORM=False, GLU=False, BIAS=False, RESIDUAL=False, ROPE=False, QK_NORM=False), **flags,
                      **dict(SPLIT_K=split, BLOCK_M=BM, BLOCK_N=64 if flags.get("ROPE") else BN, BLOCK_K=BK,
-                            PRECISION="tf32")}  # (RoPE: BLOCK_N = head_dim / 2)
+                            PRECISION="tf32", USE_GDC=True)}  # (RoPE: BLOCK_N = head_dim / 2; USE_GDC: PDL)
             src = ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}}, constexprs=const,
                             attrs=attrs)
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=stages))
             what = f"{name} M={M} split={split} tiles {(BM, BN, BK)} stages {stages}"
             assert k.metadata.shared <= 227 * 1024, f"{what}: {k.metadata.shared} B of shared memory"
             assert "async_copy" in k.asm["ttgir"], f"{what}: the K loop is not pipelined"
+            assert "griddepcontrol.wait" in k.asm["ptx"], f"{what}: no PDL wait"
 
 
 @check
@@ -714,8 +715,8 @@ def test_rollout_decode_linear_compiles_for_hopper():
     """the interpreter runs decode_linear's Python, not its lowering: compiled ahead of time for sm_90 (H100/H200;
     triton's own ptxas, no GPU), each of a layer's four GEMMs (q|k|v with RoPE and q/k norms) at 8 and 128 rows
     (o, down: also with split K) builds, fits the 227 KiB of shared memory, and its K loop is software-pipelined
-    (cp.async stages: what a memory-bound GEMM needs). The pointer/stride divisibility the JIT would specialize on
-    is given, as it is on a GPU."""
+    (cp.async stages: what a memory-bound GEMM needs), and waits for the kernel before it under PDL. The
+    pointer/stride divisibility the JIT would specialize on is given, as it is on a GPU."""
     import subprocess
     res = subprocess.run([sys.executable, "-c", "import test_all; test_all._decode_linear_for_hopper()"],
                          cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
