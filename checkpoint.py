@@ -304,6 +304,15 @@ def load_model(path, dev):
     return loaded("model", path, lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).to(dev)
 
 
+def parameter_count(path):
+    """the model's parameters (a tied embedding once) from its config alone: built on the meta device, no weights
+    read, so a run that cannot fit is refused in a second (config.memory_errors)"""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return sum(p.numel() for p in model.parameters())
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # resume
 # ------------------------------------------------------------------------------------------------------------------

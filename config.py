@@ -271,3 +271,33 @@ def lora_errors(cfg, world):
         errors.append(f"--lora_r={cfg.lora_r} under torchrun runs with --fsdp=False (a replica of the frozen base per "
                       f"rank, the adapters' gradients all-reduced); LoRA under FSDP2 is not supported yet")
     return errors
+
+
+def memory_errors(cfg, n_params, world, gpu_bytes):
+    """the training state alone must fit the GPU; said before the weights load (grpo.run, on CUDA). Per parameter,
+    full fine-tuning holds 16 bytes: float32 weights (a bf16 run: its float32 masters), their float32 gradients
+    and AdamW's two float32 moments; a bf16/fp16 run adds the weights it runs in (2 bytes). FSDP2 shards the 16
+    over the ranks and keeps the gathered weights whole on each (ZeRO-2). LoRA: the frozen base in dtype, nothing
+    else that scales with it. beta > 0 without LoRA: a reference model in dtype. Activations, K/V and logits come
+    on top: passing this is necessary, not sufficient (the OOM messages inside the step name those knobs)."""
+    dt_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+    sharded = world > 1 and cfg.fsdp
+    if cfg.lora_r:
+        need = n_params * dt_bytes
+    else:
+        need = n_params * (16 / (world if sharded else 1) + (dt_bytes if sharded or dt_bytes == 2 else 0)
+                           + (dt_bytes if cfg.beta > 0 else 0))
+    if need <= gpu_bytes:
+        return []
+    gib = lambda b: f"{b / 2**30:.0f} GiB"  # noqa: E731
+    what = (f"{n_params / 1e9:.1f}B parameters need {gib(need)} of GPU memory before any activation ("
+            + (f"the frozen base in {cfg.dtype}" if cfg.lora_r else
+               "float32 weights or masters, gradients and AdamW moments: 16 bytes a parameter"
+               + (f" over {world} ranks" if sharded else "") + f", + the {cfg.dtype} weights"
+               + (" + the reference model" if cfg.beta > 0 else "")) + f"); this GPU has {gib(gpu_bytes)}")
+    if cfg.lora_r:
+        return [f"--model={cfg.model!r} with --lora_r={cfg.lora_r}: {what}. Use a smaller model or a GPU with more "
+                f"memory (LoRA under FSDP2 is not supported yet)"]
+    return [f"--model={cfg.model!r}, full fine-tuning: {what}. Train LoRA adapters instead (--lora_r=16: the base "
+            f"stays in {cfg.dtype}, {gib(n_params * dt_bytes)}, no masters or moments), or shard the state over more "
+            f"GPUs (torchrun --nproc_per_node=N grpo.py: FSDP2)"]

@@ -26,7 +26,7 @@ import torch
 import checkpoint
 from batching import rank, rank0_value, world_size
 import lora
-from config import parse_config, resolve
+from config import memory_errors, parse_config, resolve
 from tasks import (TASKS, check_training_pool, load_task, make_reward, overlong_penalty,  # noqa: F401
                    reward_names, step_seed, train_prompts)  # (grpo.TASKS: tasks')
 
@@ -301,6 +301,11 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     tokenizer = checkpoint.load_tokenizer(ckpt or base)
     encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)  # max_prompt_len: said before loading
     sharded = world > 1 and cfg.fsdp
+    if dev.type == "cuda":  # the training state alone must fit: said before the weights load, with what to do
+        errors = memory_errors(cfg, checkpoint.parameter_count(base), world,
+                               torch.cuda.get_device_properties(dev).total_memory)
+        if errors:
+            raise ValueError("bad config:\n  " + "\n  ".join(errors))
     # (FSDP2: loaded on the CPU, sharded to dev.) LoRA: the base from --model, the adapters from ckpt on resume
     policy = checkpoint.load_model(base if cfg.lora_r else ckpt or base, torch.device("cpu") if sharded else dev)
     if cfg.lora_r:

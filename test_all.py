@@ -1738,6 +1738,31 @@ def _peft_logp(pm, prompt_ids, prompt_mask, completion_ids, completion_mask, G):
 
 
 @check
+def test_grpo_state_that_cannot_fit_is_refused_naming_lora():
+    """the GPU-memory check grpo.run makes before the weights load (config.memory_errors, with
+    checkpoint.parameter_count from the config alone): a Qwen2.5-7B-sized full fine-tuning (7.6B parameters, bf16:
+    16 bytes of float32 state + 2 of weights a parameter = 128 GiB) on an 80 GiB H100 is refused, naming --lora_r
+    and torchrun; LoRA (the base alone, 14 GiB), FSDP2 over 4 ranks and the same run on a 139 GiB H200 pass; a
+    reference model (beta > 0) is counted; a base too big even for LoRA is refused too. parameter_count equals the
+    loaded model's (a tied embedding once)."""
+    import checkpoint
+    from transformers import AutoModelForCausalLM
+    gib, n = 2**30, 7_615_616_512
+    cfg = lambda *a: config.parse_config(["--model=/models/q7", *a])  # noqa: E731
+    err = config.memory_errors(cfg(), n, 1, 80 * gib)
+    assert len(err) == 1 and all(w in err[0] for w in ("128 GiB", "80 GiB", "--lora_r=16", "torchrun")), err
+    assert config.memory_errors(cfg("--lora_r=16"), n, 1, 80 * gib) == []
+    assert config.memory_errors(cfg(), n, 4, 80 * gib) == []  # 16 / 4 + 2 bytes a parameter: 43 GiB
+    assert config.memory_errors(cfg(), n, 1, 139 * gib) == []
+    assert "reference" in " ".join(config.memory_errors(cfg("--beta=0.04"), n, 1, 139 * gib))  # + 14 GiB
+    assert "smaller model" in " ".join(config.memory_errors(cfg("--lora_r=16"), n, 1, 10 * gib))
+    path = _tiny_model_dir()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.tie_word_embeddings
+    assert checkpoint.parameter_count(path) == sum(p.numel() for p in model.parameters())
+
+
+@check
 @_kv_one_thread
 def test_lora_gradients_equal_peft():
     """LoRA through our trainer's forward (kv_reuse on and off, the chunked and the fused log-prob kernel, gradient
