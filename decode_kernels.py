@@ -27,6 +27,7 @@ import triton.language as tl
 BLOCK_N = 64  # keys per block in the split kernel
 NUM_WARPS, NUM_STAGES = 4, 3  # the split kernel's launch
 SPLIT_WAVES = 2  # key splits: enough (slot, K/V head, split) programs to fill the GPU this many times over
+MERGE_IN_SPLIT = False  # the last split of each (slot, K/V head) merges (no merge kernel); opt-in until measured
 PDL = False  # Hopper's programmatic dependent launch for these kernels: each may be launched while the kernel before
 #              it runs, and waits (griddepcontrol.wait) before it reads anything; opt-in until measured (issue 20)
 
@@ -38,6 +39,19 @@ def pdl_launch(device):
     on = PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 and \
         os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     return dict(USE_GDC=True, launch_pdl=True) if on else dict(USE_GDC=False)
+
+
+COUNTERS = {}  # device -> int32 tile counters for split K and merge-in-split (zero between launches: the last
+#                split resets its own; kernels on one stream run one after another, so they can share them)
+
+
+def counters(device, n):
+    """n of the device's zeroed int32 counters, allocated once (the first call is a graph's warm-up, not a capture;
+    a captured graph keeps their address, so they are never reallocated)"""
+    if device not in COUNTERS:
+        COUNTERS[device] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
+    assert n <= COUNTERS[device].numel(), f"{n} tile counters, more than the {COUNTERS[device].numel()} there are"
+    return COUNTERS[device]
 
 
 @triton.jit
@@ -77,14 +91,16 @@ def _attend_columns(k_ptr, v_ptr, base, stride_l, j_lo, j_hi, q, m_i, l_i, acc, 
 
 @triton.jit
 def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_ptr, rows_ptr, done_ptr, start_ptr,
-                         slot_ptr, o_ptr, lse_ptr, out_ptr, G, P, qk_scale,
+                         slot_ptr, o_ptr, lse_ptr, out_ptr, count_ptr, G, P, qk_scale,
                          stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                          stride_pb, stride_ph, stride_pl, stride_cn, stride_ch, stride_cl,
                          QPK: tl.constexpr, QPK_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         SPLITS: tl.constexpr, PRECISION: tl.constexpr, USE_GDC: tl.constexpr):
+                         SPLITS: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr,
+                         USE_GDC: tl.constexpr):
     """program (slot, kv head, split): the QPK query heads of one K/V head against one contiguous range [lo, hi) of
     the row's keys, numbered [prompt's real columns | completion columns 0..t]; t = slot_ptr[0] is this step's
-    column. The split that owns column t first stores this step's K/V there (knew/vnew)."""
+    column. The split that owns column t first stores this step's K/V there (knew/vnew). MERGE (SPLITS > 1): no
+    merge kernel; the split that arrives last at its (slot, kv head) counter merges the partials, in split order."""
     _wait_for_previous_kernel(USE_GDC)
     pid_n, pid_h, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = tl.load(rows_ptr + pid_n).to(tl.int64)
@@ -127,6 +143,28 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_p
         tl.store(o_ptr + (nh * SPLITS + pid_s)[:, None] * D + offs_d[None, :], acc / l_safe[:, None],
                  mask=q_ok[:, None])
         tl.store(lse_ptr + nh * SPLITS + pid_s, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=q_ok)
+        if MERGE:
+            tile = pid_n * tl.num_programs(1) + pid_h
+            tl.debug_barrier()  # every thread's partials are written before the (one-thread) release below
+            last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLITS - 1
+            tl.debug_barrier()  # and every thread reads the others' partials after its acquire
+            if last:  # _decode_merge_kernel's sum for this tile's QPK heads, split by split
+                m = tl.full([QPK_PAD], float("-inf"), tl.float32)
+                for s in range(SPLITS):
+                    m = tl.maximum(m, tl.load(lse_ptr + nh * SPLITS + s, mask=q_ok, other=float("-inf"),
+                                              cache_modifier=".cg"))
+                m = tl.where(m > float("-inf"), m, 0.)
+                den = tl.zeros([QPK_PAD], tl.float32)
+                out = tl.zeros([QPK_PAD, D], tl.float32)
+                for s in range(SPLITS):
+                    lse_s = tl.load(lse_ptr + nh * SPLITS + s, mask=q_ok, other=float("-inf"), cache_modifier=".cg")
+                    w = tl.where(lse_s > float("-inf"), tl.exp2(lse_s - m), 0.)
+                    den += w
+                    out += w[:, None] * tl.load(o_ptr + (nh * SPLITS + s)[:, None] * D + offs_d[None, :],
+                                                mask=q_ok[:, None], other=0., cache_modifier=".cg")
+                tl.store(out_ptr + nh[:, None] * D + offs_d[None, :],
+                         (out / tl.where(den > 0, den, 1.)[:, None]).to(out_ptr.dtype.element_ty), mask=q_ok[:, None])
+                tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch (graph replay)
 
 
 @triton.jit
@@ -157,15 +195,17 @@ def decode_attention_triton(q, k_new, v_new, layer, st, scale):
     o = torch.empty(n, h, S, D, dtype=torch.float32, device=q.device) if S > 1 else out
     lse = torch.empty(n, h, S, dtype=torch.float32, device=q.device) if S > 1 else out
     QPK = h // kvh
+    merge = MERGE_IN_SPLIT and S > 1
+    count = counters(q.device, n * kvh) if merge else out
     _decode_split_kernel[(n, kvh, S)](
-        q, k_new, v_new, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot, o, lse, out, st.G, pk.shape[2],
+        q, k_new, v_new, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot, o, lse, out, count, st.G, pk.shape[2],
         scale * 1.4426950408889634, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1),
         pk.stride(0), pk.stride(1), pk.stride(2), ck.stride(0), ck.stride(1), ck.stride(2),
-        QPK=QPK, QPK_PAD=max(16, triton.next_power_of_2(QPK)), D=D, BLOCK_N=BLOCK_N, SPLITS=S,
+        QPK=QPK, QPK_PAD=max(16, triton.next_power_of_2(QPK)), D=D, BLOCK_N=BLOCK_N, SPLITS=S, MERGE=merge,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # an fp32 model gets fp32 attention, not TF32
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_launch(q.device))
-    if S > 1:
+    if S > 1 and not merge:
         _decode_merge_kernel[(n * h,)](o, lse, out, D=D, SPLITS=S, num_warps=1, **pdl_launch(q.device))
     return out
 
@@ -272,7 +312,9 @@ def _decode_linear_kernel(x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, co
         tl.store(base + pid_k * BLOCK_M * W_P + offs_c, acc)
         tl.store(base + pid_k * BLOCK_M * W_P + BLOCK_N + offs_c, acc_up)
         tl.store(base + pid_k * BLOCK_M * W_P + 2 * BLOCK_N + offs_c * 0, ss[:, None], mask=offs_c == 0)
+        tl.debug_barrier()  # every thread's partials are written before the (one-thread) release below
         last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
+        tl.debug_barrier()  # and every thread reads the others' partials after its acquire
         if last:
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -320,7 +362,6 @@ GEMM_BLOCK_N = 64  # output columns per program (the decode GEMMs: M = live rows
 GEMM_BLOCK_K = 128  # reduction step; a stage holds BLOCK_M x BLOCK_K of x and BLOCK_N x BLOCK_K of W (twice: GLU)
 GEMM_WAVES = 1  # split K until there are this many programs per SM (small-N GEMMs: o_proj, down_proj)
 GEMM_SMEM = 160 * 1024  # bytes of shared memory the pipeline stages may take (H100/H200: 227 KiB a block)
-COUNTERS = {}  # device -> int32 tile counters for split K (zero between launches: the last split resets its own)
 
 
 def linear_config(M, N, K, glu, device):
@@ -359,10 +400,7 @@ def decode_linear_triton(x, w, b=None, g=None, residual=None, eps=1e-6, glu=Fals
     part, count = y, y  # (unused without a split)
     if split > 1:
         part = torch.empty(grid[0] * grid[1] * split * BM * (2 * BN + 1), dtype=torch.float32, device=x.device)
-        count = COUNTERS.get(x.device)
-        if count is None or count.numel() < grid[0] * grid[1]:  # (first call: the graph's warm-up, never a capture)
-            count = COUNTERS[x.device] = torch.zeros(max(4096, grid[0] * grid[1]), dtype=torch.int32,
-                                                     device=x.device)
+        count = counters(x.device, grid[0] * grid[1])
     dummy = w  # (pointers a disabled branch never reads)
     _decode_linear_kernel[grid](
         x, dummy if g is None else g, w, dummy if b is None else b, dummy if residual is None else residual, y, part,

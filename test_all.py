@@ -611,7 +611,8 @@ def _rollout_knobs(**kw):
 def test_rollout_attention_kernel_vs_torch():
     """the split-K decode kernel == the torch reference on live slots (GQA groups of 2 and 4, 1 and 4 splits,
     left-padded prompts, a permuted slot -> row map, a finished slot, column 0 and a late column); it writes this
-    step's K/V into the cache at the column, gives finished slots 0 and writes nothing for them"""
+    step's K/V into the cache at the column, gives finished slots 0 and writes nothing for them. Split: merged by
+    the merge kernel, or by the last split to arrive (MERGE_IN_SPLIT; its counters back at 0 after)"""
     import rollout
     g = torch.Generator().manual_seed(0)
     for N, G, h, kvh, D, P, T, t, S in ((8, 4, 4, 2, 16, 20, 40, 30, 1), (8, 4, 4, 2, 16, 20, 40, 30, 4),
@@ -626,16 +627,23 @@ def test_rollout_attention_kernel_vs_torch():
                              slot=torch.tensor([t], device=DEVICE))
         q, k_new = rnd(n, 1, h, D).transpose(1, 2), rnd(n, kvh, 1, D)
         v_new = rnd(n, 1, 3 * kvh, D)[:, :, kvh:2 * kvh].transpose(1, 2)  # a slice of q|k|v: its own strides
-        got_cache, want_cache = (ck.clone(), cv.clone()), (ck.clone(), cv.clone())
-        got = decode_kernels.decode_attention_triton(q, k_new, v_new, (pk, pv, *got_cache), st, D ** -0.5)
-        want = decode_kernels.decode_attention_torch(q, k_new, v_new, (pk, pv, *want_cache), st, D ** -0.5)
-        live, name = ~st.done, f"N={N} h={h} kvh={kvh} P={P} t={t} splits={S}"
-        assert got.shape == (n, 1, h, D), name
-        assert_close(got[live], want[live], 1e-5, name)
-        assert (got[st.done] == 0).all(), f"{name}: finished slot not zero"
-        for c, w, orig in zip(got_cache, want_cache, (ck, cv)):
-            assert torch.equal(c[st.rows[live]], w[st.rows[live]]), f"{name}: cache write"
-            assert torch.equal(c[st.rows[st.done]], orig[st.rows[st.done]]), f"{name}: wrote a finished row"
+        for merge in (False, True) if S > 1 else (False,):  # merge kernel, or the last split merges
+            decode_kernels.MERGE_IN_SPLIT = merge
+            got_cache, want_cache = (ck.clone(), cv.clone()), (ck.clone(), cv.clone())
+            try:
+                got = decode_kernels.decode_attention_triton(q, k_new, v_new, (pk, pv, *got_cache), st, D ** -0.5)
+            finally:
+                decode_kernels.MERGE_IN_SPLIT = False
+            want = decode_kernels.decode_attention_torch(q, k_new, v_new, (pk, pv, *want_cache), st, D ** -0.5)
+            live, name = ~st.done, f"N={N} h={h} kvh={kvh} P={P} t={t} splits={S} merge in split {merge}"
+            assert got.shape == (n, 1, h, D), name
+            assert_close(got[live], want[live], 1e-5, name)
+            assert (got[st.done] == 0).all(), f"{name}: finished slot not zero"
+            for c, w, orig in zip(got_cache, want_cache, (ck, cv)):
+                assert torch.equal(c[st.rows[live]], w[st.rows[live]]), f"{name}: cache write"
+                assert torch.equal(c[st.rows[st.done]], orig[st.rows[st.done]]), f"{name}: wrote a finished row"
+            if merge:
+                assert int(decode_kernels.COUNTERS[q.device].abs().sum()) == 0, f"{name}: counters not reset"
 
 
 @check
@@ -708,6 +716,17 @@ def _decode_linear_for_hopper():
             assert k.metadata.shared <= 227 * 1024, f"{what}: {k.metadata.shared} B of shared memory"
             assert "async_copy" in k.asm["ttgir"], f"{what}: the K loop is not pipelined"
             assert "griddepcontrol.wait" in k.asm["ptx"], f"{what}: no PDL wait"
+    fn = decode_kernels._decode_split_kernel  # the attention, its merge in the last split, under PDL
+    types = dict(q_ptr="*bf16", knew_ptr="*bf16", vnew_ptr="*bf16", pk_ptr="*bf16", pv_ptr="*bf16", ck_ptr="*bf16",
+                 cv_ptr="*bf16", rows_ptr="*i64", done_ptr="*i1", start_ptr="*i32", slot_ptr="*i64", o_ptr="*fp32",
+                 lse_ptr="*fp32", out_ptr="*bf16", count_ptr="*i32", G="i32", P="i32", qk_scale="fp32",
+                 **{a: "i32" for a in fn.arg_names if a.startswith("stride_")})
+    const = dict(QPK=6, QPK_PAD=16, D=128, BLOCK_N=64, SPLITS=8, PRECISION="tf32", MERGE=True, USE_GDC=True)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a.endswith("_ptr")}
+    k = triton.compile(ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}}, constexprs=const,
+                                 attrs=attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4,
+                                                                                              num_stages=3))
+    assert "griddepcontrol.wait" in k.asm["ptx"] and "atom" in k.asm["ptx"], "attention: no PDL wait or counter"
 
 
 @check
@@ -715,8 +734,9 @@ def test_rollout_decode_linear_compiles_for_hopper():
     """the interpreter runs decode_linear's Python, not its lowering: compiled ahead of time for sm_90 (H100/H200;
     triton's own ptxas, no GPU), each of a layer's four GEMMs (q|k|v with RoPE and q/k norms) at 8 and 128 rows
     (o, down: also with split K) builds, fits the 227 KiB of shared memory, and its K loop is software-pipelined
-    (cp.async stages: what a memory-bound GEMM needs), and waits for the kernel before it under PDL. The
-    pointer/stride divisibility the JIT would specialize on is given, as it is on a GPU."""
+    (cp.async stages: what a memory-bound GEMM needs), and waits for the kernel before it under PDL; the attention
+    kernel with its merge in the last split builds under PDL too. The pointer/stride divisibility the JIT would
+    specialize on is given, as it is on a GPU."""
     import subprocess
     res = subprocess.run([sys.executable, "-c", "import test_all; test_all._decode_linear_for_hopper()"],
                          cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
