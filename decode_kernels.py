@@ -9,7 +9,11 @@ The decode step's kernels, each beside its torch reference (rollout.py is the en
        o = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),   M = max_s lse_s
    Finished rows attend nothing. decode_attention_torch is the same function in torch ops (and the CPU path);
    nanogrpo::decode_attention is either, as a torch op that torch.compile traces inside one graph.
-2. Sampling without a host sync: the inverse CDF, min{k : sum_{j<=k} p_j > u}, in two Triton kernels that read the
+2. Decode GEMMs (rollout.DECODE_GEMM = "triton"): decode_linear runs one of a layer's four GEMMs with the work
+   around it in the same launch: RMSNorm as r * ((x * g) @ W^T), RoPE (and qwen3's q/k norms) on q|k|v's heads,
+   SiLU(gate) * up, the residual add. M (live rows, 8-128) is one tile, so each weight is read once; K is split
+   where there are too few output tiles to pull HBM, the last split to arrive summing the partials in split order.
+3. Sampling without a host sync: the inverse CDF, min{k : sum_{j<=k} p_j > u}, in two Triton kernels that read the
    logits about once (temperature only), or the exponential race argmax_k p_k / E_k, E_k ~ Exp(1), in torch ops
    behind HF's top-k/top-p warpers (sample); both draw k with probability p_k (torch.multinomial would sync).
 

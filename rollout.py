@@ -14,7 +14,8 @@ A decode step of B*G rows must read every weight once plus every live row's K/V.
 3. Few GEMMs. At decode, M = live rows (8-128), and a cuBLAS GEMM costs 4-7 us whatever its size, so the count of
    GEMMs matters more than their bytes: decode_forward runs the model's own modules (embedding, RoPE, norms,
    o_proj, activation, down_proj, LM head) but q|k|v as one GEMM and gate|up as another, on weights concatenated
-   once per call (FUSE; 7 GEMMs a layer become 4).
+   once per call (FUSE; 7 GEMMs a layer become 4). DECODE_GEMM = "triton" runs those 4 as decode_kernels'
+   decode_linear, with the norms, RoPE, SiLU-mul and residual adds inside their launches (opt-in until measured).
 
 Each decode step (model forward, sampling, bookkeeping) is one CUDA graph replay; the host only checks "done" every
 CHECK_EVERY steps. Sampling needs no host sync either (decode_kernels.py: inverse-CDF Triton kernels, or torch ops
