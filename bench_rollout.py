@@ -218,10 +218,11 @@ def bench_rows(shapes=("0.5B", "1.5B"), row_counts=(128, 64, 32, 16, 8), P=64, T
 def bench_gemms(sweep=False):
     """`python bench_rollout.py gemms [sweep]`: each decode GEMM of a layer alone at M = 128, 32 and 8 rows, against
     the time its bytes take at the datasheet bandwidth: cuBLAS's plain x @ W^T, and decode_kernels.decode_linear
-    with the layer's work folded in (RMSNorm before q|k|v and gate|up, SiLU(gate)*up after gate|up, the residual
-    after o and down) on linear_config's tiles; sweep: also every (BLOCK_N, split) of a grid, the best printed (its
-    tuple is what to put into linear_config). cuBLAS's gap to the bytes is a per-kernel floor that barely moves
-    with M, so the few-row steps of a ragged rollout's tail are further from their roofline than full steps are."""
+    with the layer's work folded in (RMSNorm before q|k|v and gate|up, RoPE after q|k|v, SiLU(gate)*up after
+    gate|up, the residual after o and down) on linear_config's tiles; sweep: also every (BLOCK_N, split) of a grid,
+    the best printed (its tuple is what to put into linear_config). cuBLAS's gap to the bytes is a per-kernel floor
+    that barely moves with M, so the few-row steps of a ragged rollout's tail are further from their roofline than
+    full steps are."""
     import time
     from triton.testing import do_bench
 
@@ -242,9 +243,10 @@ def bench_gemms(sweep=False):
         c = SHAPES[shape]
         h, I, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
         D = h // c["num_attention_heads"]
-        gemms = {"q|k|v": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * D, h, dict(norm=True)),
-                 "o": (h, h, dict(residual=True)), "gate|up": (2 * I, h, dict(norm=True, glu=True)),
-                 "down": (h, I, dict(residual=True)), "lm_head": (V, h, None)}
+        nq, nk = c["num_attention_heads"], c["num_key_value_heads"]
+        gemms = {"q|k|v": ((nq + 2 * nk) * D, h, dict(norm=True, rope=True)), "o": (h, h, dict(residual=True)),
+                 "gate|up": (2 * I, h, dict(norm=True, glu=True)), "down": (h, I, dict(residual=True)),
+                 "lm_head": (V, h, None)}
         for M in (128, 32, 8):
             for name, (N, K, kind) in gemms.items():
                 w, x = torch.randn(N, K, device=DEV, dtype=dt) / K ** 0.5, torch.randn(M, K, device=DEV, dtype=dt)
@@ -252,25 +254,28 @@ def bench_gemms(sweep=False):
                 ideal = (N * K + M * K + M * N) * x.element_size() / bw * 1e6
                 line = f"{shape:>5} {M:>4} {name:>8} {f'{N}x{K}':>12} | {ideal:>8.1f} | {t:>9.1f} {ideal / t:>5.2f} |"
                 if kind is not None:
-                    glu = kind.get("glu", False)
+                    glu, pair = kind.get("glu", False), kind.get("glu", False) or kind.get("rope", False)
                     g = torch.ones(K, device=DEV, dtype=dt) if kind.get("norm") else None
                     res = torch.randn(M, N, device=DEV, dtype=dt) if kind.get("residual") else None
-                    run = lambda cfg: decode_kernels.decode_linear_triton(x, w, None, g, res, 1e-6, glu,  # noqa
+                    rope = (torch.arange(M, device=DEV), 1e6 ** -(torch.arange(0, D, 2, device=DEV) / D), 1.0, nq, nk,
+                            None, 1e-6) if kind.get("rope") else None  # (BLOCK_N = D/2 whatever a config says)
+                    run = lambda cfg: decode_kernels.decode_linear_triton(x, w, None, g, res, 1e-6, glu, rope,  # noqa
                                                                           config=cfg)
-                    cfg = decode_kernels.linear_config(M, N // (2 if glu else 1), K, glu, x.device)
+                    n_out, tiles = N // (2 if glu else 1), (N // D if rope else None)
+                    cfg = decode_kernels.linear_config(M, n_out, K, pair, x.device, D // 2 if rope else None, tiles)
                     tt = us(lambda: run(cfg))
                     line += f" {tt:>9.1f} {ideal / tt:>5.2f} {str(cfg):>22}"
                     if sweep and CUDA:
                         best = (tt, cfg)
-                        for BN in (32, 64, 128):
+                        for BN in (D // 2,) if rope else (32, 64, 128):
                             for split in (1, 2, 4, 8):
-                                BM, _, BK, _, stages = decode_kernels.linear_config(M, N, K, glu, x.device)
-                                BK = 64 if (BM + BN * (2 if glu else 1)) * 128 * 2 * 2 > decode_kernels.GEMM_SMEM \
+                                BM = cfg[0]
+                                BK = 64 if (BM + BN * (2 if pair else 1)) * 128 * 2 * 2 > decode_kernels.GEMM_SMEM \
                                     else 128
                                 if triton.cdiv(K, BK) < 2 * split:
                                     continue
                                 trial = (BM, BN, BK, split, max(2, min(4, decode_kernels.GEMM_SMEM //
-                                                                       ((BM + BN * (2 if glu else 1)) * BK * 2))))
+                                                                       ((BM + BN * (2 if pair else 1)) * BK * 2))))
                                 best = min(best, (us(lambda: run(trial)), trial))
                         line += f" | {best[0]:>7.1f} {ideal / best[0]:>5.2f} {str(best[1]):>22}"
                 print(line, flush=True)

@@ -368,17 +368,18 @@ GEMM_WAVES = 1  # split K until there are this many programs per SM (small-N GEM
 GEMM_SMEM = 160 * 1024  # bytes of shared memory the pipeline stages may take (H100/H200: 227 KiB a block)
 
 
-def linear_config(M, N, K, glu, device):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_stages) for a decode GEMM: one m tile up to 128 rows (W is read
-    once), BLOCK_N columns, K split in whole BLOCK_K steps until the grid covers GEMM_WAVES x the SMs, as many
+def linear_config(M, N, K, pair, device, block_n=None, n_tiles=None):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_stages) for a decode GEMM of N outputs (pair: two W tiles a step,
+    GLU or RoPE): one m tile up to 128 rows (W is read once), BLOCK_N columns (block_n; n_tiles programs along N if
+    given: RoPE's one a head), K split in whole BLOCK_K steps until the grid covers GEMM_WAVES x the SMs, as many
     pipeline stages as fit GEMM_SMEM"""
-    BM, BN, BK = min(128, max(16, triton.next_power_of_2(M))), GEMM_BLOCK_N, GEMM_BLOCK_K
-    tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
+    BM, BN, BK = min(128, max(16, triton.next_power_of_2(M))), block_n or GEMM_BLOCK_N, GEMM_BLOCK_K
+    tiles = (n_tiles or triton.cdiv(N, BN)) * triton.cdiv(M, BM)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     split = 1
     while tiles * split * 2 <= GEMM_WAVES * sms and triton.cdiv(K, BK) >= 4 * split:  # >= 2 K steps a split
         split *= 2
-    stage = (BM + BN * (2 if glu else 1)) * BK * 2
+    stage = (BM + BN * (2 if pair else 1)) * BK * 2
     return BM, BN, BK, split, max(2, min(4, GEMM_SMEM // stage))
 
 
@@ -391,15 +392,16 @@ def decode_linear_triton(x, w, b=None, g=None, residual=None, eps=1e-6, glu=Fals
     M, K = x.shape
     N = w.shape[0] // (2 if glu else 1)
     assert x.stride(1) == w.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
-    BM, BN, BK, split, stages = config or linear_config(M, N, K, glu or rope is not None, x.device)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if rope is not None:  # one program a head: its halves are the pair
         pos, freq, rope_scale, nq, nk, qkn, qk_eps = rope
-        BN = freq.numel()
-        grid = (N // (2 * BN), triton.cdiv(M, BM), split)
+        half = freq.numel()
+        BM, _, BK, split, stages = config or linear_config(M, N, K, True, x.device, half, N // (2 * half))
+        BN, grid = half, (N // (2 * half), triton.cdiv(M, BM), split)
     else:
         pos = freq = qkn = None
         rope_scale, nq, nk, qk_eps = 1.0, 0, 0, 0.0
+        BM, BN, BK, split, stages = config or linear_config(M, N, K, glu, x.device)
         grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), split)
     part, count = y, y  # (unused without a split)
     if split > 1:

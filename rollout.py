@@ -401,7 +401,8 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         gemm = "triton" if DECODE_GEMM == "triton" and fused is not None and triton_gemms_fit(model, dev) else "torch"
         rotary, attns = model.model.rotary_emb, [layer.self_attn for layer in model.model.layers]
         rope = (rotary.inv_freq.float(), float(rotary.attention_scaling)) if gemm == "triton" and getattr(
-            rotary, "rope_type", "default") in STATIC_ROPE else None  # RoPE in the q|k|v GEMM's epilogue
+            rotary, "rope_type", "default") in STATIC_ROPE and (dev.type != "cuda" or attns[0].head_dim >= 32) \
+            else None  # RoPE in the q|k|v GEMM's epilogue (a head's half is a tile: tl.dot wants >= 16 columns)
         qk_norms = [torch.cat([a.q_norm.weight, a.k_norm.weight]) if rope and hasattr(a, "q_norm") else None
                     for a in attns]  # (2D,) per layer, qwen3
         LAST.clear()
