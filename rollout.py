@@ -197,14 +197,16 @@ def fuse_projections(model):
     return fused
 
 
-def triton_gemms_fit(model, device):
+def triton_gemms_fit(model, fused, device):
     """decode_forward's GEMMs may be decode_kernels.decode_linear (DECODE_GEMM = "triton"): its prologue is
     transformers' RMSNorm (weight * x / rms, eps variance_epsilon), its epilogue SiLU(gate) * up, its inputs and
-    weights one dtype (no autocast)"""
+    the weights it reads (fuse_projections': a LoRA adapter folded in) one dtype, no autocast"""
     norms = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+    dt = model.model.embed_tokens.weight.dtype
     return (getattr(model.config, "hidden_act", None) == "silu" and not torch.is_autocast_enabled(device.type)
-            and all(type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") for m in norms)
-            and all(p.dtype == model.model.embed_tokens.weight.dtype for p in model.model.layers.parameters()))
+            and all(type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and m.weight.dtype == dt
+                    for m in norms)
+            and all(t is None or t.dtype == dt for layer in fused for t in layer))
 
 
 def project(st, x, w, b, norm=None, act=None, residual=None):
@@ -398,7 +400,8 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                                 pos=pos[:, -1:].repeat_interleave(G, 0) + 1, done=done)  # (n,), (n, 1), (n, 1), (n,)
         fused = fuse_projections(model) if FUSE else None
         forward_fn = decode_forward if fused is not None else model_forward
-        gemm = "triton" if DECODE_GEMM == "triton" and fused is not None and triton_gemms_fit(model, dev) else "torch"
+        gemm = "triton" if DECODE_GEMM == "triton" and fused is not None and triton_gemms_fit(model, fused, dev) \
+            else "torch"
         rotary, attns = model.model.rotary_emb, [layer.self_attn for layer in model.model.layers]
         rope = (rotary.inv_freq.float(), float(rotary.attention_scaling)) if gemm == "triton" and getattr(
             rotary, "rope_type", "default") in STATIC_ROPE and (dev.type != "cuda" or attns[0].head_dim >= 32) \

@@ -1829,8 +1829,8 @@ def test_lora_gradients_equal_peft():
 @_kv_one_thread
 def test_lora_decode_folds_adapters_greedy_equal_peft():
     """the decode engine folds each adapter into the weights it fuses (W + (alpha/r) B A, o_proj and down_proj too):
-    its greedy tokens are PEFT's generate's, on the fused path (LAST["fused"]), and the folded q|k|v weight is the
-    base's plus the scaled product"""
+    its greedy tokens are PEFT's generate's, on the fused path (LAST["fused"]) with cuBLAS and with the Triton decode
+    GEMMs, and the folded q|k|v weight is the base's plus the scaled product"""
     if not _have("peft"):
         print("  (peft not installed: skipped)")
         return
@@ -1838,11 +1838,13 @@ def test_lora_decode_folds_adapters_greedy_equal_peft():
     ours, pm = _lora_pair("qwen3")
     prompt_ids, prompt_mask, _, _ = _kv_batch(G=2, prompt_lens=(7, 2, 4), seed=8)
     ref = _kv_generate_reference(pm, prompt_ids, prompt_mask, 10, eos=99999)
-    ids, _ = rollout.generate_groups(ours, prompt_ids, prompt_mask, 2, 10, temperature=0.0, eos_token_id=99999,
-                                     pad_token_id=0)
-    assert rollout.LAST["fused"], "a LoRA model left the fused decode"
-    for row in range(ids.shape[0]):
-        assert ids[row].tolist() == ref[row // 2][:10], f"row {row}"
+    for gemm in ("torch", "triton"):  # (triton: decode_linear reads the folded weights)
+        with _rollout_knobs(DECODE_GEMM=gemm) as r:
+            ids, _ = r.generate_groups(ours, prompt_ids, prompt_mask, 2, 10, temperature=0.0, eos_token_id=99999,
+                                       pad_token_id=0)
+            assert r.LAST["fused"] and r.LAST["gemm"] == gemm, f"a LoRA model left the fused decode: {r.LAST}"
+        for row in range(ids.shape[0]):
+            assert ids[row].tolist() == ref[row // 2][:10], f"{gemm}: row {row}"
     q = ours.model.layers[0].self_attn.q_proj
     w_qkv = rollout.fuse_projections(ours)[0][0]
     want = q.base_layer.weight + q.scaling["default"] * q.lora_B["default"].weight @ q.lora_A["default"].weight
