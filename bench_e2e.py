@@ -9,12 +9,13 @@ GPU before a change to rollout, batching, kv_reuse or grpo lands, and put its ta
     python bench_e2e.py --model qwen2.5-7b DIR   # just build a random-weight model directory (bench_fsdp.sh 7b)
 
 Each cell is a fresh process (torchrun for the 2-GPU cells, skipped with fewer GPUs): `python bench_e2e.py --run
-[rollout.GLOBAL=value ...] --key=value ...` is grpo.train with those rollout globals set and, unless BENCH_SAVE=1,
-no checkpoint written (a cell measures steps; the CPU suite checks the checkpoints). gen and update are the last
-step's seconds (step 1 also compiles), gnorm its gradient norm (a reward with spread: digit_share); "decode" is the
-path the last step's rollout took: compiled (torch.compile + CUDA graphs) | graph (CUDA graphs, eager forward: under
-COMPILE_MIN_TOKENS) | fallback (torch.compile failed on the model: graphs, uncompiled) | eager | generate
-(model.generate). Logs of every cell go to BENCH_DIR (/tmp/nanogrpo_e2e).
+[rollout.GLOBAL=value ...] --key=value ...` is grpo.train with those rollout (or decode_kernels) globals set and,
+unless BENCH_SAVE=1, no checkpoint written (a cell measures steps; the CPU suite checks the checkpoints). gen and
+update are the last step's seconds (step 1 also compiles), gnorm its gradient norm (a reward with spread:
+digit_share); "decode" is the path the last step's rollout took: compiled (torch.compile + CUDA graphs) | graph
+(CUDA graphs, eager forward: under COMPILE_MIN_TOKENS) | fallback (torch.compile failed on the model: graphs,
+uncompiled) | eager | generate (model.generate), "+triton" with decode_kernels' GEMMs (the triton-decode cells: DECODE_GEMM, PDL and the merge in
+the last split, opt-in until measured). Logs of every cell go to BENCH_DIR (/tmp/nanogrpo_e2e).
 
 The families keep what makes them differ (Qwen2.5: GQA 6, q/k/v bias, tied; Llama-3.2: head_dim 64, GQA 4, llama3
 RoPE scaling; Qwen3: q/k RMSNorm, head_dim 128) at their real widths and vocabularies, with 4 layers (the "/4L"
@@ -128,6 +129,13 @@ for feat, flags in FEATURES.items():
 REPRO = ["--prompts_per_step=16", "--group_size=8", "--max_completion_len=1024", "--gradient_checkpointing=True"]
 CELLS["repro qwen2.5-1.5b T=1024 gc"] = ("qwen2.5-1.5b", REPRO, [], 1)  # issue 19's crash at step 0
 CELLS["repro qwen2.5-1.5b T=1024 gc COMPILE=False"] = ("qwen2.5-1.5b", REPRO, ["rollout.COMPILE=False"], 1)
+TRITON_DECODE = ["rollout.DECODE_GEMM='triton'", "decode_kernels.PDL=True", "decode_kernels.MERGE_IN_SPLIT=True"]
+for fam in FAMILIES:  # the opt-in decode kernels (issue 20), end to end on each layer shape, and with LoRA folded
+    CELLS[f"{fam}/4L T=1024 gc triton-decode"] = (
+        f"{fam}/4", ["--max_completion_len=1024", "--gradient_checkpointing=True"], TRITON_DECODE, 1)
+CELLS["qwen2.5-1.5b/4L T=1024 gc lora triton-decode"] = (
+    "qwen2.5-1.5b/4", ["--max_completion_len=1024", "--gradient_checkpointing=True", "--lora_r=16"], TRITON_DECODE, 1)
+CELLS["repro qwen2.5-1.5b T=1024 gc triton-decode"] = ("qwen2.5-1.5b", REPRO, TRITON_DECODE, 1)
 for fsdp in (True, False):  # the same global batch over 2 processes
     CELLS[f"torchrun 2 qwen2.5-1.5b/4L T=1024 gc fsdp={fsdp}"] = (
         "qwen2.5-1.5b/4", ["--max_completion_len=1024", "--gradient_checkpointing=True", f"--fsdp={fsdp}"], [], 2)
@@ -176,7 +184,7 @@ def run_cell(name, model, flags, sets, nproc):
 def print_row(r):
     if "gen" in r:
         nums = (f"{r['gen']:6.2f} {r['gen1']:7.1f} {r['update']:7.2f} {r['peak']:6.1f} {r['len']:5.0f} "
-                f"{r['gnorm']:7.3f}  {r['decode']:<9}")
+                f"{r['gnorm']:7.3f}  {r['decode']:<16}")
     else:
         nums = f"{'':6} {'':7} {'':7} {'':6} {'':5} {'':7}  {'':9}"
     status = "ok" if r["ok"] else "SKIP" if r.get("skipped") else "ERROR"
@@ -196,7 +204,7 @@ def main(args):
           f"transformers {__import__('transformers').__version__}, triton {__import__('triton').__version__}; "
           f"{len(cells)} cells; base flags: {' '.join(BASE)}")
     print(f"| {'cell':<48} {'':<5} {'gen s':>6} {'gen1 s':>7} {'upd s':>7} {'GiB':>6} {'len':>5} {'gnorm':>7}  "
-          f"{'decode':<9} wall")
+          f"{'decode':<16} wall")
     rows = []
     for name, (model, flags, sets, nproc) in cells.items():
         if nproc > max(gpus, 1) or (nproc > 1 and not gpus):
@@ -214,18 +222,23 @@ def main(args):
 
 
 def run(args):
-    """--run: grpo.train(args) in this process with the rollout globals given as rollout.NAME=value set first"""
+    """--run: grpo.train(args) in this process with the globals given as rollout.NAME=value or
+    decode_kernels.NAME=value set first"""
     import ast
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import checkpoint
+    import decode_kernels
     import grpo
     import rollout
-    for a in [a for a in args if a.startswith("rollout.")]:
-        key, val = a[len("rollout."):].split("=", 1)
-        setattr(rollout, key, ast.literal_eval(val))
+    knobs = [a for a in args if a.startswith(("rollout.", "decode_kernels."))]
+    for a in knobs:
+        (mod, key), val = a.split("=", 1)[0].split("."), a.split("=", 1)[1]
+        module = rollout if mod == "rollout" else decode_kernels
+        assert hasattr(module, key), f"{mod} has no global {key}"
+        setattr(module, key, ast.literal_eval(val))
     if os.environ.get("BENCH_SAVE") != "1":  # grpo calls checkpoint.save_checkpoint
         checkpoint.save_checkpoint = lambda *args, **kwargs: None
-    grpo.train([a for a in args if not a.startswith("rollout.")])
+    grpo.train([a for a in args if a not in knobs])
 
 
 if __name__ == "__main__":
