@@ -314,8 +314,10 @@ def _decode_linear_kernel(x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, co
         base = part_ptr + tile * (SPLIT_K * BLOCK_M * W_P) + tl.arange(0, BLOCK_M)[:, None] * W_P
         offs_c = tl.arange(0, BLOCK_N)[None, :]
         tl.store(base + pid_k * BLOCK_M * W_P + offs_c, acc)
-        tl.store(base + pid_k * BLOCK_M * W_P + BLOCK_N + offs_c, acc_up)
-        tl.store(base + pid_k * BLOCK_M * W_P + 2 * BLOCK_N + offs_c * 0, ss[:, None], mask=offs_c == 0)
+        if GLU or ROPE:
+            tl.store(base + pid_k * BLOCK_M * W_P + BLOCK_N + offs_c, acc_up)
+        if NORM:
+            tl.store(base + pid_k * BLOCK_M * W_P + 2 * BLOCK_N + offs_c * 0, ss[:, None], mask=offs_c == 0)
         tl.debug_barrier()  # every thread's partials are written before the (one-thread) release below
         last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
         tl.debug_barrier()  # and every thread reads the others' partials after its acquire
@@ -325,8 +327,10 @@ def _decode_linear_kernel(x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, co
             ss2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in range(SPLIT_K):  # in split order: deterministic
                 acc += tl.load(base + s * BLOCK_M * W_P + offs_c, cache_modifier=".cg")
-                acc_up += tl.load(base + s * BLOCK_M * W_P + BLOCK_N + offs_c, cache_modifier=".cg")
-                ss2 += tl.load(base + s * BLOCK_M * W_P + 2 * BLOCK_N + offs_c * 0, cache_modifier=".cg")
+                if GLU or ROPE:
+                    acc_up += tl.load(base + s * BLOCK_M * W_P + BLOCK_N + offs_c, cache_modifier=".cg")
+                if NORM:
+                    ss2 += tl.load(base + s * BLOCK_M * W_P + 2 * BLOCK_N + offs_c * 0, cache_modifier=".cg")
             ss = tl.max(ss2, 1)  # (the column was broadcast: every entry of a row is the same)
             tl.atomic_xchg(count_ptr + tile, 0)
     if last:
