@@ -9,14 +9,13 @@ GPU before a change to rollout, batching, kv_reuse or grpo lands, and put its ta
     python bench_e2e.py --model qwen2.5-7b DIR   # just build a random-weight model directory (bench_fsdp.sh 7b)
 
 Each cell is a fresh process (torchrun for the 2-GPU cells, skipped with fewer GPUs): `python bench_e2e.py --run
-[rollout.GLOBAL=value ...] --key=value ...` is grpo.train with those rollout (or decode_kernels) globals set and,
-unless BENCH_SAVE=1, no checkpoint written (a cell measures steps; the CPU suite checks the checkpoints). gen and
+[rollout.GLOBAL=value ...] --key=value ...` is grpo.train with those rollout (decode_kernels, decode_gemm) globals set
+and, unless BENCH_SAVE=1, no checkpoint written (a cell measures steps; the CPU suite checks the checkpoints). gen and
 update are the last step's seconds (step 1 also compiles), gnorm its gradient norm (a reward with spread:
-digit_share); "decode" is the path the last step's rollout took: compiled (torch.compile + CUDA graphs) | graph
-(CUDA graphs, eager forward: under COMPILE_MIN_TOKENS) | fallback (torch.compile failed on the model: graphs,
-uncompiled) | eager | generate (model.generate), "+triton" with decode_kernels' GEMMs (the triton-decode cells:
-DECODE_GEMM, PDL and the merge in the last split, opt-in until measured). Logs of every cell go to BENCH_DIR
-(/tmp/nanogrpo_e2e).
+digit_share); "decode" is the path the last step's rollout took: compiled (torch.compile + CUDA graphs) | graph (CUDA
+graphs, eager forward: under COMPILE_MIN_TOKENS) | fallback (torch.compile failed on the model: graphs, uncompiled) |
+eager | generate (model.generate), "+triton" with decode_gemm's GEMMs (the triton-decode cells: DECODE_GEMM, PDL and
+the merge in the last split, opt-in until measured). Logs of every cell go to BENCH_DIR (/tmp/nanogrpo_e2e).
 
 The families keep what makes them differ (Qwen2.5: GQA 6, q/k/v bias, tied; Llama-3.2: head_dim 64, GQA 4, llama3
 RoPE scaling; Qwen3: q/k RMSNorm, head_dim 128) at their real widths and vocabularies, with 4 layers (the "/4L"
@@ -223,18 +222,16 @@ def main(args):
 
 
 def run(args):
-    """--run: grpo.train(args) in this process with the globals given as rollout.NAME=value or
-    decode_kernels.NAME=value set first"""
+    """--run: grpo.train(args) in this process with the globals given as rollout.NAME=value (or decode_kernels.,
+    decode_gemm.) set first"""
     import ast
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import checkpoint
-    import decode_kernels
     import grpo
-    import rollout
-    knobs = [a for a in args if a.startswith(("rollout.", "decode_kernels."))]
+    knobs = [a for a in args if a.startswith(("rollout.", "decode_kernels.", "decode_gemm."))]
     for a in knobs:
         (mod, key), val = a.split("=", 1)[0].split("."), a.split("=", 1)[1]
-        module = rollout if mod == "rollout" else decode_kernels
+        module = __import__(mod)
         assert hasattr(module, key), f"{mod} has no global {key}"
         setattr(module, key, ast.literal_eval(val))
     if os.environ.get("BENCH_SAVE") != "1":  # grpo calls checkpoint.save_checkpoint

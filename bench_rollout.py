@@ -7,7 +7,7 @@ CPU: a smoke run on a tiny model):
     python bench_rollout.py gemms [sweep]              # each decode GEMM alone: cuBLAS, decode_linear (+ its tiles)
     python bench_rollout.py profile [1.5B]             # one decode step, kernel by kernel (torch.profiler)
 
-Any of them takes module.GLOBAL=value arguments first set on rollout or decode_kernels (an A/B of a knob:
+Any of them takes module.GLOBAL=value arguments first set on rollout, decode_kernels or decode_gemm (an A/B of a knob:
 `python bench_rollout.py rows rollout.DECODE_GEMM="'triton'"`).
 
 The roofline of a workload is the sum over its decode steps of (weight bytes + live K/V bytes) / bandwidth
@@ -19,6 +19,7 @@ import sys
 import torch
 import triton
 
+import decode_gemm
 import decode_kernels
 import rollout
 from kv_reuse import sync
@@ -217,7 +218,7 @@ def bench_rows(shapes=("0.5B", "1.5B"), row_counts=(128, 64, 32, 16, 8), P=64, T
 
 def bench_gemms(sweep=False):
     """`python bench_rollout.py gemms [sweep]`: each decode GEMM of a layer alone at M = 128, 32 and 8 rows, against
-    the time its bytes take at the datasheet bandwidth: cuBLAS's plain x @ W^T, and decode_kernels.decode_linear
+    the time its bytes take at the datasheet bandwidth: cuBLAS's plain x @ W^T, and decode_gemm.decode_linear
     with the layer's work folded in (RMSNorm before q|k|v and gate|up, RoPE after q|k|v, SiLU(gate)*up after
     gate|up, the residual after o and down) on linear_config's tiles; sweep: also every (BLOCK_N, split) of a grid,
     the best printed (its tuple is what to put into linear_config). cuBLAS's gap to the bytes is a per-kernel floor
@@ -259,10 +260,10 @@ def bench_gemms(sweep=False):
                     res = torch.randn(M, N, device=DEV, dtype=dt) if kind.get("residual") else None
                     rope = (torch.arange(M, device=DEV), 1e6 ** -(torch.arange(0, D, 2, device=DEV) / D), 1.0, nq, nk,
                             None, 1e-6) if kind.get("rope") else None  # (BLOCK_N = D/2 whatever a config says)
-                    run = lambda cfg: decode_kernels.decode_linear_triton(x, w, None, g, res, 1e-6, glu, rope,  # noqa
+                    run = lambda cfg: decode_gemm.decode_linear_triton(x, w, None, g, res, 1e-6, glu, rope,  # noqa
                                                                           config=cfg)
                     n_out, tiles = N // (2 if glu else 1), (N // D if rope else None)
-                    cfg = decode_kernels.linear_config(M, n_out, K, pair, x.device, D // 2 if rope else None, tiles)
+                    cfg = decode_gemm.linear_config(M, n_out, K, pair, x.device, D // 2 if rope else None, tiles)
                     tt = us(lambda: run(cfg))
                     line += f" {tt:>9.1f} {ideal / tt:>5.2f} {str(cfg):>22}"
                     if sweep and CUDA:
@@ -270,11 +271,11 @@ def bench_gemms(sweep=False):
                         for BN in (D // 2,) if rope else (32, 64, 128):
                             for split in (1, 2, 4, 8):
                                 BM = cfg[0]
-                                BK = 64 if (BM + BN * (2 if pair else 1)) * 128 * 2 * 2 > decode_kernels.GEMM_SMEM \
+                                BK = 64 if (BM + BN * (2 if pair else 1)) * 128 * 2 * 2 > decode_gemm.GEMM_SMEM \
                                     else 128
                                 if triton.cdiv(K, BK) < 2 * split:
                                     continue
-                                trial = (BM, BN, BK, split, max(2, min(4, decode_kernels.GEMM_SMEM //
+                                trial = (BM, BN, BK, split, max(2, min(4, decode_gemm.GEMM_SMEM //
                                                                        ((BM + BN * (2 if pair else 1)) * BK * 2))))
                                 best = min(best, (us(lambda: run(trial)), trial))
                         line += f" | {best[0]:>7.1f} {ideal / best[0]:>5.2f} {str(best[1]):>22}"
@@ -326,12 +327,12 @@ def bench_profile(shape="1.5B", row_counts=(128, 32, 8), P=64, T=512):
 
 
 def set_globals(args):
-    """module.GLOBAL=value arguments (rollout or decode_kernels) set, the rest returned"""
+    """module.GLOBAL=value arguments (rollout, decode_kernels or decode_gemm) set, the rest returned"""
     import ast
     rest = []
     for a in args:
         mod, _, key = a.partition("=")[0].partition(".")
-        if mod in ("rollout", "decode_kernels") and "=" in a:
+        if mod in ("rollout", "decode_kernels", "decode_gemm") and "=" in a:
             assert hasattr(sys.modules[mod], key), f"{mod} has no global {key}"
             setattr(sys.modules[mod], key, ast.literal_eval(a.partition("=")[2]))
             print(f"{mod}.{key} = {getattr(sys.modules[mod], key)!r}")

@@ -9,11 +9,7 @@ The decode step's kernels, each beside its torch reference (rollout.py is the en
        o = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),   M = max_s lse_s
    Finished rows attend nothing. decode_attention_torch is the same function in torch ops (and the CPU path);
    nanogrpo::decode_attention is either, as a torch op that torch.compile traces inside one graph.
-2. Decode GEMMs (rollout.DECODE_GEMM = "triton"): decode_linear runs one of a layer's four GEMMs with the work
-   around it in the same launch: RMSNorm as r * ((x * g) @ W^T), RoPE (and qwen3's q/k norms) on q|k|v's heads,
-   SiLU(gate) * up, the residual add. M (live rows, 8-128) is one tile, so each weight is read once; K is split
-   where there are too few output tiles to pull HBM, the last split to arrive summing the partials in split order.
-3. Sampling without a host sync: the inverse CDF, min{k : sum_{j<=k} p_j > u}, in two Triton kernels that read the
+2. Sampling without a host sync: the inverse CDF, min{k : sum_{j<=k} p_j > u}, in two Triton kernels that read the
    logits about once (temperature only), or the exponential race argmax_k p_k / E_k, E_k ~ Exp(1), in torch ops
    behind HF's top-k/top-p warpers (sample); both draw k with probability p_k (torch.multinomial would sync).
 
@@ -22,7 +18,6 @@ each prompt's first real column, slot (1,) this step's completion column, G, and
 """
 import math
 from types import SimpleNamespace
-from typing import List, Optional
 
 import torch
 import triton
@@ -32,8 +27,9 @@ BLOCK_N = 64  # keys per block in the split kernel
 NUM_WARPS, NUM_STAGES = 4, 3  # the split kernel's launch
 SPLIT_WAVES = 2  # key splits: enough (slot, K/V head, split) programs to fill the GPU this many times over
 MERGE_IN_SPLIT = False  # the last split of each (slot, K/V head) merges (no merge kernel); opt-in until measured
-PDL = False  # Hopper's programmatic dependent launch for these kernels: each may be launched while the kernel before
-#              it runs, and waits (griddepcontrol.wait) before it reads anything; opt-in until measured (issue 20)
+PDL = False  # Hopper's programmatic dependent launch for these kernels and decode_gemm's: each may be launched while
+#              the kernel before it runs, and waits (griddepcontrol.wait) before it reads anything; opt-in until
+#              measured (issue 20)
 
 
 def pdl_launch(device):
@@ -257,220 +253,6 @@ def num_splits(n, kvh, device):
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(64, triton.next_power_of_2(math.ceil(SPLIT_WAVES * sms / (n * kvh)))))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# decode GEMMs: one Triton kernel with the layer's elementwise work in its prologue/epilogue, torch reference
-
-
-@triton.jit
-def _decode_linear_kernel(x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr, pos_ptr, freq_ptr, qkn_ptr,
-                          M, N, K, K_PER, eps, NQ, NQK, rope_scale, qk_eps,
-                          stride_xm, stride_wn, stride_rm, stride_ym,
-                          NORM: tl.constexpr, GLU: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
-                          ROPE: tl.constexpr, QK_NORM: tl.constexpr,
-                          SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr, USE_GDC: tl.constexpr):
-    """program (n tile, m tile, k split): y[m, n] = epilogue(sum over the split's K range of x[m, k] W[n, k]).
-    NORM (RMSNorm folded in): sum_k (x_k r g_k) W_nk = r sum_k (x_k g_k) W_nk with r = rsqrt(mean_k x_k^2 + eps),
-    so the dot takes x * g and the row scale r multiplies the accumulator; sum x^2 rides along the same x loads.
-    GLU: W is [gate; up] (2N, K), y = silu(a_gate) * a_up (the two rows of a pair in the same program).
-    RESIDUAL: y = r + a. ROPE (q|k|v, BLOCK_N = head_dim / 2): program n is head n, its two halves the pair;
-    q and k heads (n < NQK) are rotated at their rows' positions, x' = x cos + rotate_half(x) sin, i.e.
-    lo' = lo cos - hi sin, hi' = hi cos + lo sin with angle pos * inv_freq (times rope_scale: transformers'
-    attention_scaling); QK_NORM (qwen3) first takes each q or k head's RMSNorm (weights qkn: [q_norm; k_norm]).
-    v heads pass through. SPLIT_K > 1 (few output tiles, long K: more programs to pull HBM): each split stores its
-    float32 partial sums and bumps the tile's counter; the split that arrives last sums the partials in split order
-    (the same bits whichever arrives last), runs the epilogue and resets the counter for the next launch."""
-    _wait_for_previous_kernel(USE_GDC)
-    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * (2 * BLOCK_N if ROPE else BLOCK_N) + tl.arange(0, BLOCK_N)
-    HI = BLOCK_N if ROPE else N  # the pair's second row: up (GLU) or the head's second half (ROPE)
-    m_ok, n_ok = offs_m < M, offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # (GLU, ROPE only) the pair's second row
-    ss = tl.zeros((BLOCK_M,), tl.float32)  # (NORM only) sum of x^2 over this split's K range
-    for k0 in range(pid_k * K_PER, tl.minimum(pid_k * K_PER + K_PER, K), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.)  # (BLOCK_M, BLOCK_K)
-        if NORM:
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, 1)
-            g = tl.load(g_ptr + offs_k, mask=k_ok, other=0.).to(tl.float32)
-            x = (xf * g[None, :]).to(w_ptr.dtype.element_ty)
-        w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]  # W^T's tile (BLOCK_K, BLOCK_N)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
-        if GLU or ROPE:
-            w_up = tl.load(w_ptrs + HI * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.)
-            acc_up = tl.dot(x, w_up, acc_up, input_precision=PRECISION)
-    last = True
-    if SPLIT_K > 1:  # partials (tiles, SPLIT_K, BLOCK_M, 2 BLOCK_N + 1): [acc | acc_up | ss]
-        tile = pid_m * tl.num_programs(0) + pid_n
-        W_P: tl.constexpr = 2 * BLOCK_N + 1
-        base = part_ptr + tile * (SPLIT_K * BLOCK_M * W_P) + tl.arange(0, BLOCK_M)[:, None] * W_P
-        offs_c = tl.arange(0, BLOCK_N)[None, :]
-        tl.store(base + pid_k * BLOCK_M * W_P + offs_c, acc)
-        if GLU or ROPE:
-            tl.store(base + pid_k * BLOCK_M * W_P + BLOCK_N + offs_c, acc_up)
-        if NORM:
-            tl.store(base + pid_k * BLOCK_M * W_P + 2 * BLOCK_N + offs_c * 0, ss[:, None], mask=offs_c == 0)
-        tl.debug_barrier()  # every thread's partials are written before the (one-thread) release below
-        last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
-        tl.debug_barrier()  # and every thread reads the others' partials after its acquire
-        if last:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            ss2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for s in range(SPLIT_K):  # in split order: deterministic
-                acc += tl.load(base + s * BLOCK_M * W_P + offs_c, cache_modifier=".cg")
-                if GLU or ROPE:
-                    acc_up += tl.load(base + s * BLOCK_M * W_P + BLOCK_N + offs_c, cache_modifier=".cg")
-                if NORM:
-                    ss2 += tl.load(base + s * BLOCK_M * W_P + 2 * BLOCK_N + offs_c * 0, cache_modifier=".cg")
-            ss = tl.max(ss2, 1)  # (the column was broadcast: every entry of a row is the same)
-            tl.atomic_xchg(count_ptr + tile, 0)
-    if last:
-        if NORM:
-            r = tl.rsqrt(ss / K + eps)[:, None]
-            acc, acc_up = acc * r, acc_up * r
-        if BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.).to(tl.float32)[None, :]
-            if GLU or ROPE:
-                acc_up += tl.load(b_ptr + HI + offs_n, mask=n_ok, other=0.).to(tl.float32)[None, :]
-        if GLU:
-            acc = acc * tl.sigmoid(acc) * acc_up
-        if ROPE:
-            rotate = pid_n < NQK  # a q or k head
-            offs_d = tl.arange(0, BLOCK_N)
-            if QK_NORM:
-                r_h = tl.rsqrt((tl.sum(acc * acc, 1) + tl.sum(acc_up * acc_up, 1)) / (2 * BLOCK_N) + qk_eps)[:, None]
-                qkn = qkn_ptr + tl.where(pid_n < NQ, 0, 2 * BLOCK_N)
-                lo_n = acc * r_h * tl.load(qkn + offs_d).to(tl.float32)[None, :]
-                hi_n = acc_up * r_h * tl.load(qkn + BLOCK_N + offs_d).to(tl.float32)[None, :]
-                acc, acc_up = tl.where(rotate, lo_n, acc), tl.where(rotate, hi_n, acc_up)
-            angle = tl.load(pos_ptr + offs_m, mask=m_ok, other=0).to(tl.float32)[:, None] * \
-                tl.load(freq_ptr + offs_d)[None, :]  # (BLOCK_M, D/2)
-            cos, sin = tl.cos(angle) * rope_scale, tl.sin(angle) * rope_scale
-            lo_r, hi_r = acc * cos - acc_up * sin, acc_up * cos + acc * sin
-            acc, acc_up = tl.where(rotate, lo_r, acc), tl.where(rotate, hi_r, acc_up)
-            tl.store(y_ptr + offs_m[:, None] * stride_ym + (offs_n + HI)[None, :], acc_up.to(y_ptr.dtype.element_ty),
-                     mask=m_ok[:, None] & n_ok[None, :])
-        if RESIDUAL:
-            acc += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=m_ok[:, None] & n_ok[None, :],
-                           other=0.).to(tl.float32)
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
-
-
-GEMM_BLOCK_N = 64  # output columns per program (the decode GEMMs: M = live rows, 8-128)
-GEMM_BLOCK_K = 128  # reduction step; a stage holds BLOCK_M x BLOCK_K of x and BLOCK_N x BLOCK_K of W (twice: GLU)
-GEMM_WAVES = 1  # split K until there are this many programs per SM (small-N GEMMs: o_proj, down_proj)
-GEMM_SMEM = 160 * 1024  # bytes of shared memory the pipeline stages may take (H100/H200: 227 KiB a block)
-
-
-def linear_config(M, N, K, pair, device, block_n=None, n_tiles=None):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_stages) for a decode GEMM of N outputs (pair: two W tiles a step,
-    GLU or RoPE): one m tile up to 128 rows (W is read once), BLOCK_N columns (block_n; n_tiles programs along N if
-    given: RoPE's one a head), K split in whole BLOCK_K steps until the grid covers GEMM_WAVES x the SMs, as many
-    pipeline stages as fit GEMM_SMEM"""
-    BM, BN, BK = min(128, max(16, triton.next_power_of_2(M))), block_n or GEMM_BLOCK_N, GEMM_BLOCK_K
-    tiles = (n_tiles or triton.cdiv(N, BN)) * triton.cdiv(M, BM)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    split = 1
-    while tiles * split * 2 <= GEMM_WAVES * sms and triton.cdiv(K, BK) >= 4 * split:  # >= 2 K steps a split
-        split *= 2
-    stage = (BM + BN * (2 if pair else 1)) * BK * 2
-    return BM, BN, BK, split, max(2, min(4, GEMM_SMEM // stage))
-
-
-def decode_linear_triton(x, w, b=None, g=None, residual=None, eps=1e-6, glu=False, rope=None, config=None):
-    """(M, K) x, (N or 2N, K) W -> (M, N): RMSNorm(x; g, eps) if g is given, then x @ W^T + b, then
-    silu(gate) * up if glu, or RoPE on the q and k heads of q|k|v if rope = (pos (M,), inv_freq (D/2,), scale,
-    n_q_heads, n_k_heads, [q_norm; k_norm] (2D,) or None, its eps), then + residual (M, N); one launch
-    (decode_linear_torch is the same in torch ops). config: linear_config's tuple, to override it (bench_rollout.py
-    gemms; with rope, BLOCK_N is D/2 whatever it says)."""
-    M, K = x.shape
-    N = w.shape[0] // (2 if glu else 1)
-    assert x.stride(1) == w.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if rope is not None:  # one program a head: its halves are the pair
-        pos, freq, rope_scale, nq, nk, qkn, qk_eps = rope
-        half = freq.numel()
-        BM, _, BK, split, stages = config or linear_config(M, N, K, True, x.device, half, N // (2 * half))
-        BN, grid = half, (N // (2 * half), triton.cdiv(M, BM), split)
-    else:
-        pos = freq = qkn = None
-        rope_scale, nq, nk, qk_eps = 1.0, 0, 0, 0.0
-        BM, BN, BK, split, stages = config or linear_config(M, N, K, glu, x.device)
-        grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), split)
-    part, count = y, y  # (unused without a split)
-    if split > 1:
-        part = torch.empty(grid[0] * grid[1] * split * BM * (2 * BN + 1), dtype=torch.float32, device=x.device)
-        count = counters(x.device, grid[0] * grid[1])
-    dummy = w  # (pointers a disabled branch never reads)
-    _decode_linear_kernel[grid](
-        x, dummy if g is None else g, w, dummy if b is None else b, dummy if residual is None else residual, y, part,
-        count, dummy if pos is None else pos, dummy if freq is None else freq, dummy if qkn is None else qkn,
-        M, N, K, triton.cdiv(triton.cdiv(K, split), BK) * BK, eps, nq, nq + nk, rope_scale, qk_eps,
-        x.stride(0), w.stride(0), 0 if residual is None else residual.stride(0), y.stride(0),
-        NORM=g is not None, GLU=glu, BIAS=b is not None, RESIDUAL=residual is not None, ROPE=rope is not None,
-        QK_NORM=qkn is not None, SPLIT_K=split,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=stages, **pdl_launch(x.device))
-    return y
-
-
-def rms_norm_torch(x, weight, eps):
-    """transformers' RMSNorm: float32 statistics, the normalized x back in x's dtype, then times the weight"""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def decode_linear_torch(x, w, b=None, g=None, residual=None, eps=1e-6, glu=False, rope=None):
-    """reference (and the CPU path): what the model's modules compute, in their order and roundings"""
-    y = torch.nn.functional.linear(x if g is None else rms_norm_torch(x, g, eps), w, b)
-    if glu:
-        gate, up = y.chunk(2, -1)
-        y = torch.nn.functional.silu(gate) * up
-    if rope is not None:  # transformers' rotary embedding and apply_rotary_pos_emb, on the q and k heads
-        pos, freq, scale, nq, nk, qkn, qk_eps = rope
-        D = 2 * freq.numel()
-        heads = y.view(y.shape[0], -1, D)  # (M, nq + nk + nv, D)
-        qk = heads[:, :nq + nk]
-        if qkn is not None:
-            qk = torch.cat([rms_norm_torch(qk[:, :nq], qkn[:D], qk_eps), rms_norm_torch(qk[:, nq:], qkn[D:], qk_eps)],
-                           1)
-        angle = pos[:, None].float() * freq.float()[None, :]  # (M, D/2)
-        cos = (torch.cat([angle, angle], -1).cos() * scale).to(y.dtype)[:, None, :]
-        sin = (torch.cat([angle, angle], -1).sin() * scale).to(y.dtype)[:, None, :]
-        qk = qk * cos + torch.cat([-qk[..., D // 2:], qk[..., :D // 2]], -1) * sin
-        y = torch.cat([qk, heads[:, nq + nk:]], 1).reshape(y.shape)
-    return y if residual is None else residual + y
-
-
-@torch.library.custom_op("nanogrpo::decode_linear", mutates_args=())
-def decode_linear_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], g: Optional[torch.Tensor],
-                     residual: Optional[torch.Tensor], eps: float, glu: bool, impl: str,
-                     pos: Optional[torch.Tensor] = None, inv_freq: Optional[torch.Tensor] = None,
-                     qk_norm: Optional[torch.Tensor] = None, heads: Optional[List[int]] = None,
-                     rope_scale: float = 1.0, qk_eps: float = 0.0) -> torch.Tensor:
-    """decode_linear_triton (impl "triton") or decode_linear_torch as a torch op, so that torch.compile keeps the
-    one-graph decode with it inside. x (..., K) -> (..., N); RoPE when pos is given (heads: [n_q, n_k])"""
-    lead = x.shape[:-1]
-    flat = lambda t: None if t is None else t.reshape(-1, t.shape[-1])  # noqa: E731
-    rope = None if pos is None else (pos.reshape(-1), inv_freq, rope_scale, heads[0], heads[1], qk_norm, qk_eps)
-    fn = decode_linear_triton if impl == "triton" else decode_linear_torch
-    return fn(flat(x), w, b, g, flat(residual), eps, glu, rope).reshape(*lead, -1)
-
-
-@decode_linear_op.register_fake
-def _(x, w, b, g, residual, eps, glu, impl, pos=None, inv_freq=None, qk_norm=None, heads=None, rope_scale=1.0,
-      qk_eps=0.0):
-    return x.new_empty(*x.shape[:-1], w.shape[0] // (2 if glu else 1))
 
 
 # ----------------------------------------------------------------------------------------------------------------

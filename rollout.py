@@ -14,7 +14,7 @@ A decode step of B*G rows must read every weight once plus every live row's K/V.
 3. Few GEMMs. At decode, M = live rows (8-128), and a cuBLAS GEMM costs 4-7 us whatever its size, so the count of
    GEMMs matters more than their bytes: decode_forward runs the model's own modules (embedding, RoPE, norms,
    o_proj, activation, down_proj, LM head) but q|k|v as one GEMM and gate|up as another, on weights concatenated
-   once per call (FUSE; 7 GEMMs a layer become 4). DECODE_GEMM = "triton" runs those 4 as decode_kernels'
+   once per call (FUSE; 7 GEMMs a layer become 4). DECODE_GEMM = "triton" runs those 4 as decode_gemm's
    decode_linear, with the norms, RoPE, SiLU-mul and residual adds inside their launches (opt-in until measured).
 
 Each decode step (model forward, sampling, bookkeeping) is one CUDA graph replay; the host only checks "done" every
@@ -45,7 +45,8 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from decode_kernels import decode_attention_op, decode_linear_op, sample, sample_triton  # noqa: F401 (the ops)
+from decode_gemm import decode_linear_op  # noqa: F401 (registers the op nanogrpo::decode_linear)
+from decode_kernels import decode_attention_op, sample, sample_triton
 from kv_reuse import positions, reuse_unsupported, trim_left_padding
 from lora import effective_weight
 
@@ -60,7 +61,7 @@ COMPILE_MIN_TOKENS = 512  # ...from this many new tokens on: the first compile c
 COMPILE_BACKEND = "inductor"  # on CUDA; on the CPU only another backend compiles (tests: aot_eager, no C++ compiler)
 FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); False: the model's own forward
 DECODE_GEMM = "torch"  # decode_forward's GEMMs: torch (cuBLAS; the compiler fuses norms, SiLU, residuals around them)
-#                | triton (decode_kernels.decode_linear: RMSNorm, RoPE, SiLU*up, residual inside the GEMM's launch)
+#                | triton (decode_gemm.decode_linear: RMSNorm, RoPE, SiLU*up, residual inside the GEMM's launch)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose inv_freq never changes (not dynamic NTK)
 LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl, decode path (tests, benchmarks)
 
@@ -198,7 +199,7 @@ def fuse_projections(model):
 
 
 def triton_gemms_fit(model, fused, device):
-    """decode_forward's GEMMs may be decode_kernels.decode_linear (DECODE_GEMM = "triton"): its prologue is
+    """decode_forward's GEMMs may be decode_gemm.decode_linear (DECODE_GEMM = "triton"): its prologue is
     transformers' RMSNorm (weight * x / rms, eps variance_epsilon), its epilogue SiLU(gate) * up, its inputs and
     the weights it reads (fuse_projections': a LoRA adapter folded in) one dtype, no autocast"""
     norms = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]

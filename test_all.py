@@ -63,6 +63,7 @@ import logprobs as _logprobs  # noqa: E402
 from kernel import fused_logprobs  # noqa: E402
 from logprobs import token_logprobs  # noqa: E402
 import config  # noqa: E402  (grpo's knobs and checks)
+import decode_gemm  # noqa: E402
 import decode_kernels  # noqa: E402
 
 
@@ -649,7 +650,7 @@ def test_rollout_attention_kernel_vs_torch():
 @check
 @_kv_one_thread
 def test_rollout_decode_linear_kernel_vs_torch():
-    """decode_kernels.decode_linear (one launch: RMSNorm folded in, x @ W^T + b, SiLU(gate) * up, + residual) ==
+    """decode_gemm.decode_linear (one launch: RMSNorm folded in, x @ W^T + b, SiLU(gate) * up, + residual) ==
     the model's modules in torch ops, for the four GEMMs of a decode layer (q|k|v, o_proj, gate|up, down_proj),
     rows that fill no tile (5) and two m tiles (17 rows, 16-row tiles), K not a whole number of steps, float32 and
     float16, without and with split K (2 and 3 splits: partials summed by the last split to arrive); the split
@@ -667,9 +668,9 @@ def test_rollout_decode_linear_kernel_vs_torch():
                 b = rnd(w.shape[0], dt=dt) if kind.get("bias") else None
                 gain = 1 + 0.1 * rnd(K, dt=dt) if kind.get("norm") else None
                 res = rnd(M, N, dt=dt) if kind.get("residual") else None
-                got = decode_kernels.decode_linear_triton(x, w, b, gain, res, 1e-6, glu, config=(BM, 16, 32, split, 2))
+                got = decode_gemm.decode_linear_triton(x, w, b, gain, res, 1e-6, glu, config=(BM, 16, 32, split, 2))
                 d = lambda t: None if t is None else t.double()  # noqa: E731
-                want = decode_kernels.decode_linear_torch(d(x), d(w), d(b), d(gain), d(res), 1e-6, glu)
+                want = decode_gemm.decode_linear_torch(d(x), d(w), d(b), d(gain), d(res), 1e-6, glu)
                 assert got.shape == (M, N) and got.dtype == dt, f"{name}: {got.shape} {got.dtype}"
                 assert_close(got.double(), want, tol * float(want.abs().max()), f"{name} {dt} M={M} split={split}")
                 if split > 1:
@@ -680,9 +681,9 @@ def test_rollout_decode_linear_kernel_vs_torch():
             b, gain = rnd(w.shape[0], dt=dt) if bias else None, 1 + 0.1 * rnd(K, dt=dt)
             qkn = 1 + 0.1 * rnd(2 * D, dt=dt) if qk_norm else None
             pos, freq = torch.randint(0, 3000, (M,), generator=g).to(DEVICE), 1e4 ** -(torch.arange(0, D, 2) / D)
-            got = decode_kernels.decode_linear_triton(x, w, b, gain, None, 1e-6, False, (pos, freq.to(DEVICE), 1.0, nq,
+            got = decode_gemm.decode_linear_triton(x, w, b, gain, None, 1e-6, False, (pos, freq.to(DEVICE), 1.0, nq,
                                                       nk, qkn, 1e-6), config=(BM, 64, 32, split, 2))
-            want = decode_kernels.decode_linear_torch(d(x), d(w), d(b), d(gain), None, 1e-6, False,
+            want = decode_gemm.decode_linear_torch(d(x), d(w), d(b), d(gain), None, 1e-6, False,
                                                       (pos, freq.double(), 1.0, nq, nk, d(qkn), 1e-6))
             assert_close(got.double(), want, tol, f"q|k|v RoPE {dt} qk_norm={qk_norm} M={M} split={split}")
 
@@ -693,7 +694,7 @@ def _decode_linear_for_hopper():
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    fn = decode_kernels._decode_linear_kernel
+    fn = decode_gemm._decode_linear_kernel
     types = dict(x_ptr="*bf16", g_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", r_ptr="*bf16", y_ptr="*bf16",
                  part_ptr="*fp32", count_ptr="*i32", pos_ptr="*i64", freq_ptr="*fp32", qkn_ptr="*bf16", M="i32",
                  N="i32", K="i32", K_PER="i32", eps="fp32", NQ="i32", NQK="i32", rope_scale="fp32", qk_eps="fp32",
@@ -704,7 +705,7 @@ def _decode_linear_for_hopper():
              ("M", "eps", "NQ", "NQK", "rope_scale", "qk_eps")}
     for name, flags in layer.items():
         for M, split in ((8, 1), (128, 1)) + (((8, 4),) if flags.get("RESIDUAL") else ()):  # (split K: o, down)
-            BM, BN, BK, _, stages = decode_kernels.linear_config(M, 1536, 8960, flags.get("GLU", False),
+            BM, BN, BK, _, stages = decode_gemm.linear_config(M, 1536, 8960, flags.get("GLU", False),
                                                                   torch.device("cpu"))
             const = {**dict(NORM=False, GLU=False, BIAS=False, RESIDUAL=False, ROPE=False, QK_NORM=False), **flags,
                      **dict(SPLIT_K=split, BLOCK_M=BM, BLOCK_N=64 if flags.get("ROPE") else BN, BLOCK_K=BK,
@@ -825,7 +826,7 @@ def test_rollout_greedy_matches_hf_generate():
                 ("llama", "sdpa", (7, 2, 4), True, "triton"), ("qwen2", "sdpa", (7, 2, 4), True, "triton"),
                 ("qwen3", "sdpa", (3, 7, 5), True, "triton")):
             rollout.FUSE = fuse  # decode_forward (fused q|k|v, gate|up) or the model's own forward
-            rollout.DECODE_GEMM = gemm  # decode_forward's GEMMs: F.linear, or decode_kernels.decode_linear
+            rollout.DECODE_GEMM = gemm  # decode_forward's GEMMs: F.linear, or decode_gemm.decode_linear
             model = _kv_model(arch, tied=arch == "qwen2", attn_implementation=attn)
             prompt_ids, prompt_mask, _, _ = _kv_batch(G=G, prompt_lens=lens, seed=3)
             free = _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=99999)
