@@ -212,7 +212,7 @@ def triton_gemms_fit(model, fused, device):
 
 def project(st, x, w, b, norm=None, act=None, residual=None):
     """one decode GEMM with its neighbours: residual + act(norm(x) @ W^T + b), act(y) = act_fn(gate) * up on W's
-    two halves [gate; up]. st.gemm "triton": one decode_kernels launch; else the model's modules and F.linear"""
+    two halves [gate; up]. st.gemm "triton": one decode_gemm launch; else the model's modules and F.linear"""
     if st.gemm == "triton":
         return torch.ops.nanogrpo.decode_linear(x, w, b, None if norm is None else norm.weight, residual,
                                                 0. if norm is None else norm.variance_epsilon, act is not None,
@@ -222,6 +222,20 @@ def project(st, x, w, b, norm=None, act=None, residual=None):
         gate, up = y.chunk(2, -1)
         y = act(gate) * up
     return y if residual is None else residual + y
+
+
+def epilogue_rope(model, device):
+    """what decode_linear needs to apply RoPE in q|k|v's epilogue (DECODE_GEMM triton), as decode-state fields:
+    rope = (inv_freq, scale), qk_norms = [q_norm; k_norm] (2D,) per layer (qwen3; else None) and their eps; None
+    where the model's RoPE stays: a rope type whose inv_freq changes with the length (dynamic NTK), or on a GPU a
+    head half under 16 columns (it is a tile, and tl.dot wants >= 16)"""
+    rotary, attns = model.model.rotary_emb, [layer.self_attn for layer in model.model.layers]
+    if getattr(rotary, "rope_type", "default") not in STATIC_ROPE or (device.type == "cuda" and attns[0].head_dim < 32):
+        return None
+    return dict(rope=(rotary.inv_freq.float(), float(rotary.attention_scaling)),
+                qk_norms=[torch.cat([a.q_norm.weight, a.k_norm.weight]) if hasattr(a, "q_norm") else None
+                          for a in attns],
+                qk_eps=getattr(getattr(attns[0], "q_norm", None), "variance_epsilon", 0.))
 
 
 def attention_inputs(st, i, layer, h, w_qkv, b_qkv, pos, cos, sin):
@@ -238,7 +252,7 @@ def attention_inputs(st, i, layer, h, w_qkv, b_qkv, pos, cos, sin):
         return heads(*qkv.split(sizes, -1))
     q, k, v = heads(*project(st, h, w_qkv, b_qkv, norm=norm).split(sizes, -1))
     if hasattr(attn, "q_norm"):  # qwen3: RMSNorm per head before RoPE
-        q, k = attn.q_norm(q.transpose(1, 2)).transpose(1, 2), attn.k_norm(k.transpose(1, 2)).transpose(1, 2)
+        q, k = attn.q_norm(q), attn.k_norm(k)  # (over the last dim, D)
     q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
     return q, k, v
 
@@ -403,21 +417,15 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         forward_fn = decode_forward if fused is not None else model_forward
         gemm = "triton" if DECODE_GEMM == "triton" and fused is not None and triton_gemms_fit(model, fused, dev) \
             else "torch"
-        rotary, attns = model.model.rotary_emb, [layer.self_attn for layer in model.model.layers]
-        rope = (rotary.inv_freq.float(), float(rotary.attention_scaling)) if gemm == "triton" and getattr(
-            rotary, "rope_type", "default") in STATIC_ROPE and (dev.type != "cuda" or attns[0].head_dim >= 32) \
-            else None  # RoPE in the q|k|v GEMM's epilogue (a head's half is a tile: tl.dot wants >= 16 columns)
-        qk_norms = [torch.cat([a.q_norm.weight, a.k_norm.weight]) if rope and hasattr(a, "q_norm") else None
-                    for a in attns]  # (2D,) per layer, qwen3
+        rope = epilogue_rope(model, dev) if gemm == "triton" else None
         LAST.clear()
         LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None, gemm=gemm,
                     rope="epilogue" if rope else "torch")
 
         def make_step(sl):
+            # (the attention op picks the split count for the slots it gets; rope: epilogue_rope's fields)
             st = SimpleNamespace(layers=layers, rows=sl.rows, done=sl.done, start=start, slot=slot, G=G,
-                                 impl=attn_impl, gemm=gemm, rope=rope, qk_norms=qk_norms,
-                                 qk_eps=getattr(getattr(attns[0], "q_norm", None), "variance_epsilon", 0.))
-            # (the attention op picks the split count for the slots it gets)
+                                 impl=attn_impl, gemm=gemm, **(rope or dict(rope=None)))
 
             def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)
                 args = (model, fused, st, sl.tok, sl.pos) if fused is not None else (model, sl.tok, sl.pos)
