@@ -104,7 +104,7 @@ def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temp
     """sample group_size completions per prompt; the returned dict is the generation buffer. eos_token_id: an int or
     a list (every id that ends a completion). sampler_logp: each token's log-prob as the sampler computed it (its
     decode kernels, not the training forward's); decode: the path that sampled it (rollout.LAST["path"], and
-    "+triton" when its GEMMs were decode_kernels')"""
+    "+triton" when its GEMMs were decode_gemm's)"""
     completion_ids, completion_mask, sampler_logp = generate_groups(
         model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature=temperature, top_p=top_p,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, return_logprobs=True)  # (B*G, C) each

@@ -17,6 +17,7 @@ The decode state the attention reads (st): rows (n,) the cache row of each slot,
 each prompt's first real column, slot (1,) this step's completion column, G, and the split count.
 """
 import math
+import os
 from types import SimpleNamespace
 
 import torch
@@ -35,7 +36,6 @@ PDL = False  # Hopper's programmatic dependent launch for these kernels and deco
 def pdl_launch(device):
     """a launch's PDL arguments: USE_GDC (the kernel waits), launch_pdl (it may start early) when asked for (PDL),
     on a GPU of compute capability >= 9, not in the interpreter"""
-    import os
     on = PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 and \
         os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     return dict(USE_GDC=True, launch_pdl=True) if on else dict(USE_GDC=False)
