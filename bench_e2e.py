@@ -223,21 +223,15 @@ def main(args):
 
 def run(args):
     """--run: grpo.train(args) in this process with the globals given as rollout.NAME=value (or decode_kernels.,
-    decode_gemm.) set first"""
-    import ast
+    decode_gemm.) set first (bench_rollout.set_globals)"""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import checkpoint
     import grpo
-    knobs = [a for a in args if a.startswith(("rollout.", "decode_kernels.", "decode_gemm."))]
-    for a in knobs:
-        (mod, key), val = a.split("=", 1)[0].split("."), a.split("=", 1)[1]
-        module = __import__(mod)
-        assert hasattr(module, key), f"{mod} has no global {key}"
-        setattr(module, key, ast.literal_eval(val))
+    from bench_rollout import set_globals
+    args = set_globals(args)
     if os.environ.get("BENCH_SAVE") != "1":  # grpo calls checkpoint.save_checkpoint
         checkpoint.save_checkpoint = lambda *args, **kwargs: None
-    grpo.train([a for a in args if a not in knobs])
-
+    grpo.train(args)
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
