@@ -5,6 +5,7 @@ GPU before a change to rollout, batching, kv_reuse or grpo lands, and put its ta
 
     python bench_e2e.py                  # every cell: one row each (ok/error, gen s, update s, peak GiB, decode path)
     python bench_e2e.py qwen3 gc         # only the cells whose name contains every word given
+    python bench_e2e.py repro -COMPILE   # "-word": and not this one
     python bench_e2e.py --list           # the cells and their flags
     python bench_e2e.py --model qwen2.5-7b DIR   # just build a random-weight model directory (bench_fsdp.sh 7b)
 
@@ -193,8 +194,8 @@ def print_row(r):
 
 def main(args):
     import torch
-    words = [a for a in args if not a.startswith("--")]
-    cells = {k: v for k, v in CELLS.items() if all(w in k for w in words)}
+    words = [a for a in args if not a.startswith("--")]  # "-word": not the cells whose name contains it
+    cells = {k: v for k, v in CELLS.items() if all((w[1:] not in k) if w.startswith("-") else (w in k) for w in words)}
     if "--list" in args:
         for k, (model, flags, sets, nproc) in cells.items():
             print(f"{k:<48} {model:<16} nproc={nproc} {' '.join(sets + flags)}")

@@ -6,6 +6,7 @@ CPU: a smoke run on a tiny model):
     python bench_rollout.py rows [0.5B] [1.5B]         # ms per decode step at 128..8 live rows vs its roofline
     python bench_rollout.py gemms [sweep]              # each decode GEMM alone: cuBLAS, decode_linear (+ its tiles)
     python bench_rollout.py profile [1.5B]             # one decode step, kernel by kernel (torch.profiler)
+    python bench_rollout.py lora [MODEL_DIR]           # decode tok/s with LoRA adapters folded in vs without
 
 Any of them takes module.GLOBAL=value arguments first set on rollout, decode_kernels or decode_gemm (an A/B of a knob:
 `python bench_rollout.py rows rollout.DECODE_GEMM="'triton'"`).
@@ -220,16 +221,18 @@ def bench_gemms(sweep=False):
     """`python bench_rollout.py gemms [sweep]`: each decode GEMM of a layer alone at M = 128, 32 and 8 rows, against
     the time its bytes take at the datasheet bandwidth: cuBLAS's plain x @ W^T, and decode_gemm.decode_linear
     with the layer's work folded in (RMSNorm before q|k|v and gate|up, RoPE after q|k|v, SiLU(gate)*up after
-    gate|up, the residual after o and down) on linear_config's tiles; sweep: also every (BLOCK_N, split) of a grid,
-    the best printed (its tuple is what to put into linear_config). cuBLAS's gap to the bytes is a per-kernel floor
+    gate|up, the residual after o and down) on linear_config's tiles, and its largest error against
+    decode_linear_torch relative to the output's largest value (bf16 rounding: ~1e-2 and below); sweep: also every (BLOCK_N, split) of a grid,
+    the best printed (its tuple, with num_stages and num_warps, is what to put into linear_config). cuBLAS's gap to the bytes is a per-kernel floor
     that barely moves with M, so the few-row steps of a ragged rollout's tail are further from their roofline than
     full steps are."""
     import time
-    from triton.testing import do_bench
+    import itertools
+    from triton.testing import do_bench_cudagraph
 
-    def us(fn):  # (do_bench wants a GPU driver; the CPU smoke run times 3 calls)
-        if CUDA:
-            return do_bench(fn, warmup=10, rep=40) * 1e3
+    def us(fn):  # (the CPU smoke run times 3 calls)
+        if CUDA:  # replayed from a CUDA graph, as the decode step runs: a launch's host cost is not the GPU's time
+            return do_bench_cudagraph(fn, rep=20) * 1e3
         t = time.perf_counter()
         for _ in range(3):
             fn()
@@ -238,9 +241,9 @@ def bench_gemms(sweep=False):
     dt = torch.bfloat16 if CUDA else torch.float32
     print(f"decode GEMMs alone; bytes = (W + x + y [+ residual]) / {bw / 1e12:.2f} TB/s; frac = bytes' time / time")
     print(f"{'model':>5} {'M':>4} {'gemm':>8} {'N x K':>12} | {'bytes us':>8} | {'cuBLAS us':>9} {'frac':>5} | "
-          f"{'triton us':>9} {'frac':>5} {'tiles':>22}" + (f" | {'best us':>7} {'frac':>5} {'best tiles':>22}"
+          f"{'triton us':>9} {'frac':>5} {'tiles':>25} {'rel err':>7}" + (f" | {'best us':>7} {'frac':>5} {'best tiles':>25}"
                                                            if sweep else ""))
-    for shape in [s for s in SHAPES if s != "tiny"] if CUDA else ["tiny"]:
+    for shape in ["1.5B", "0.5B"] if CUDA else ["tiny"]:
         c = SHAPES[shape]
         h, I, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
         D = h // c["num_attention_heads"]
@@ -251,7 +254,11 @@ def bench_gemms(sweep=False):
         for M in (128, 32, 8):
             for name, (N, K, kind) in gemms.items():
                 w, x = torch.randn(N, K, device=DEV, dtype=dt) / K ** 0.5, torch.randn(M, K, device=DEV, dtype=dt)
-                t = us(lambda: x @ w.T)
+                # a step's 28 layers each read their own W from HBM: the timed calls cycle through copies of W that
+                # together overflow the L2 cache (50 MB), so no call finds its W there
+                copies = itertools.cycle([w] + [w.clone() for _ in range(min(31, 2**28 // w.nbytes)
+                                                                          if CUDA else 0)])
+                t = us(lambda: x @ next(copies).T)
                 ideal = (N * K + M * K + M * N) * x.element_size() / bw * 1e6
                 line = f"{shape:>5} {M:>4} {name:>8} {f'{N}x{K}':>12} | {ideal:>8.1f} | {t:>9.1f} {ideal / t:>5.2f} |"
                 if kind is not None:
@@ -260,25 +267,28 @@ def bench_gemms(sweep=False):
                     res = torch.randn(M, N, device=DEV, dtype=dt) if kind.get("residual") else None
                     rope = (torch.arange(M, device=DEV), 1e6 ** -(torch.arange(0, D, 2, device=DEV) / D), 1.0, nq, nk,
                             None, 1e-6) if kind.get("rope") else None  # (BLOCK_N = D/2 whatever a config says)
-                    run = lambda cfg: decode_gemm.decode_linear_triton(x, w, None, g, res, 1e-6, glu, rope,  # noqa
-                                                                          config=cfg)
+                    run = lambda cfg, w=w: decode_gemm.decode_linear_triton(x, w, None, g, res, 1e-6, glu,  # noqa
+                                                                               rope, config=cfg)
                     n_out, tiles = N // (2 if glu else 1), (N // D if rope else None)
                     cfg = decode_gemm.linear_config(M, n_out, K, pair, x.device, D // 2 if rope else None, tiles)
-                    tt = us(lambda: run(cfg))
-                    line += f" {tt:>9.1f} {ideal / tt:>5.2f} {str(cfg):>22}"
+                    tt = us(lambda: run(cfg, next(copies)))
+                    ref = decode_gemm.decode_linear_torch(x, w, None, g, res, 1e-6, glu, rope).float()
+                    err = ((run(cfg).float() - ref).abs().max() / ref.abs().max()).item()  # the GPU's check
+                    line += f" {tt:>9.1f} {ideal / tt:>5.2f} {str(cfg):>25} {err:>7.1e}"
                     if sweep and CUDA:
                         best = (tt, cfg)
+                        BM = cfg[0]
                         for BN in (D // 2,) if rope else (32, 64, 128):
-                            for split in (1, 2, 4, 8):
-                                BM = cfg[0]
-                                BK = 64 if (BM + BN * (2 if pair else 1)) * 128 * 2 * 2 > decode_gemm.GEMM_SMEM \
-                                    else 128
-                                if triton.cdiv(K, BK) < 2 * split:
-                                    continue
-                                trial = (BM, BN, BK, split, max(2, min(4, decode_gemm.GEMM_SMEM //
-                                                                       ((BM + BN * (2 if pair else 1)) * BK * 2))))
-                                best = min(best, (us(lambda: run(trial)), trial))
-                        line += f" | {best[0]:>7.1f} {ideal / best[0]:>5.2f} {str(best[1]):>22}"
+                            for split in (1, 2, 4, 8) if N <= 4 * h else (1, 2):  # (gate|up: enough tiles)
+                                for stages in (2, 4):
+                                    for warps in (4, 8) if BM >= 64 else (4,):
+                                        BK = 128
+                                        if (BM + BN * (2 if pair else 1)) * BK * 2 * stages > 220 * 1024 or \
+                                                triton.cdiv(K, BK) < 2 * split:  # (smem; >= 2 K steps a split)
+                                            continue
+                                        trial = (BM, BN, BK, split, stages, warps)
+                                        best = min(best, (us(lambda: run(trial, next(copies))), trial))
+                        line += f" | {best[0]:>7.1f} {ideal / best[0]:>5.2f} {str(best[1]):>25}"
                 print(line, flush=True)
 
 
@@ -326,6 +336,42 @@ def bench_profile(shape="1.5B", row_counts=(128, 32, 8), P=64, T=512):
         sys.stdout.flush()
 
 
+def bench_lora(path=None, r=16, B=8, G=8, P=64, T=1024):
+    """`python bench_rollout.py lora [MODEL_DIR]`: generate_groups' decode on a model (a local HF directory in bf16,
+    else the random 1.5B shape) and on the same model with LoRA adapters in (lora.add_lora, r=16 on the attention
+    and MLP projections, B drawn at random so that the fold changes the weights). The decode folds each adapter into
+    the weights it fuses, once per rollout (rollout.fuse_projections), so both should cost the same a token."""
+    import time
+    import lora
+    from transformers import AutoModelForCausalLM
+    if path and CUDA:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEV).eval()
+    else:
+        model = bench_model("1.5B" if CUDA else "tiny")
+    B, T = (B, T) if CUDA else (2, 48)
+    prompt_ids = torch.randint(3, model.config.vocab_size, (B, P), device=DEV,
+                               generator=torch.Generator(device=DEV).manual_seed(1))
+    print(f"decode with and without LoRA (r={r}) on {torch.cuda.get_device_name() if CUDA else 'cpu'}: "
+          f"{path or ('random 1.5B' if CUDA else 'tiny')}, {B} prompts x {G}, P={P}, {T} new tokens, no EOS", flush=True)
+    rate = {}
+    for name in ("base", "lora"):
+        if name == "lora":
+            lora.add_lora(model, r, 2 * r, 0.0)
+            for m in model.modules():
+                if lora.is_lora(m):
+                    torch.nn.init.normal_(m.lora_B["default"].weight, std=0.02)
+        for timed in (False, True):  # the first call compiles and captures
+            sync()
+            t0 = time.perf_counter()
+            ids, keep = generate_groups(model, prompt_ids, torch.ones_like(prompt_ids), G, T, eos_token_id=(),
+                                        pad_token_id=0)
+            sync()
+            dt = time.perf_counter() - t0
+        rate[name] = float(keep.sum()) / dt
+        print(f"{name:>5}: {dt:6.2f} s, {rate[name]:8.0f} tok/s, path {LAST.get('path')}", flush=True)
+    print(f"LoRA / base decode tok/s = {rate['lora'] / rate['base']:.3f}")
+
+
 def set_globals(args):
     """module.GLOBAL=value arguments (rollout, decode_kernels or decode_gemm) set, the rest returned"""
     import ast
@@ -346,7 +392,9 @@ if __name__ == "__main__":
     if argv[:1] == ["gemms"]:
         bench_gemms(sweep="sweep" in argv)
     elif argv[:1] == ["rows"]:
-        bench_rows(*(argv[1:] or [("0.5B", "1.5B")]))
+        bench_rows(tuple(argv[1:]) or ("0.5B", "1.5B"))
+    elif argv[:1] == ["lora"]:
+        bench_lora(*argv[1:2])
     elif argv[:1] == ["profile"]:
         bench_profile(*argv[1:2])
     else:

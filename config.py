@@ -274,7 +274,7 @@ def lora_errors(cfg, world):
 
 
 def memory_errors(cfg, n_params, world, gpu_bytes):
-    """the training state alone must fit the GPU; said before the weights load (grpo.run, on CUDA). Per parameter,
+    """the training state alone must fit the GPU's free bytes; said before the weights load (grpo.run, on CUDA). Per parameter,
     full fine-tuning holds 16 bytes: float32 weights (a bf16 run: its float32 masters), their float32 gradients
     and AdamW's two float32 moments; a bf16/fp16 run adds the weights it runs in (2 bytes). FSDP2 shards the 16
     over the ranks and keeps the gathered weights whole on each (ZeRO-2). LoRA: the frozen base in dtype, nothing
@@ -294,7 +294,7 @@ def memory_errors(cfg, n_params, world, gpu_bytes):
             + (f"the frozen base in {cfg.dtype}" if cfg.lora_r else
                "float32 weights or masters, gradients and AdamW moments: 16 bytes a parameter"
                + (f" over {world} ranks" if sharded else "") + f", + the {cfg.dtype} weights"
-               + (" + the reference model" if cfg.beta > 0 else "")) + f"); this GPU has {gib(gpu_bytes)}")
+               + (" + the reference model" if cfg.beta > 0 else "")) + f"); this GPU has {gib(gpu_bytes)} free")
     if cfg.lora_r:
         return [f"--model={cfg.model!r} with --lora_r={cfg.lora_r}: {what}. Use a smaller model or a GPU with more "
                 f"memory (LoRA under FSDP2 is not supported yet)"]

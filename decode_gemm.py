@@ -136,10 +136,11 @@ GEMM_SMEM = 160 * 1024  # bytes of shared memory the pipeline stages may take (H
 
 
 def linear_config(M, N, K, pair, device, block_n=None, n_tiles=None):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_stages) for a decode GEMM of N outputs (pair: two W tiles a step,
-    GLU or RoPE): one m tile up to 128 rows (W is read once), BLOCK_N columns (block_n; n_tiles programs along N if
-    given: RoPE's one a head), K split in whole BLOCK_K steps until the grid covers GEMM_WAVES x the SMs, as many
-    pipeline stages as fit GEMM_SMEM"""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps) for a decode GEMM of N outputs (pair: two W tiles
+    a step, GLU or RoPE): one m tile up to 128 rows (W is read once), BLOCK_N columns (block_n; n_tiles programs
+    along N if given: RoPE's one a head), K split in whole BLOCK_K steps until the grid covers GEMM_WAVES x the SMs,
+    as many pipeline stages as fit GEMM_SMEM; 8 warps from 64 rows on (4 would hold a 64-128 row x tile and two
+    accumulators in too few registers)"""
     BM, BN, BK = min(128, max(16, triton.next_power_of_2(M))), block_n or GEMM_BLOCK_N, GEMM_BLOCK_K
     tiles = (n_tiles or triton.cdiv(N, BN)) * triton.cdiv(M, BM)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -147,7 +148,7 @@ def linear_config(M, N, K, pair, device, block_n=None, n_tiles=None):
     while tiles * split * 2 <= GEMM_WAVES * sms and triton.cdiv(K, BK) >= 4 * split:  # >= 2 K steps a split
         split *= 2
     stage = (BM + BN * (2 if pair else 1)) * BK * 2
-    return BM, BN, BK, split, max(2, min(4, GEMM_SMEM // stage))
+    return BM, BN, BK, split, max(2, min(4, GEMM_SMEM // stage)), 8 if BM >= 64 else 4
 
 
 def decode_linear_triton(x, w, b=None, g=None, residual=None, eps=1e-6, glu=False, rope=None, config=None):
@@ -163,12 +164,12 @@ def decode_linear_triton(x, w, b=None, g=None, residual=None, eps=1e-6, glu=Fals
     if rope is not None:  # one program a head: its halves are the pair
         pos, freq, rope_scale, nq, nk, qkn, qk_eps = rope
         half = freq.numel()
-        BM, _, BK, split, stages = config or linear_config(M, N, K, True, x.device, half, N // (2 * half))
+        BM, _, BK, split, stages, warps = config or linear_config(M, N, K, True, x.device, half, N // (2 * half))
         BN, grid = half, (N // (2 * half), triton.cdiv(M, BM), split)
     else:
         pos = freq = qkn = None
         rope_scale, nq, nk, qk_eps = 1.0, 0, 0, 0.0
-        BM, BN, BK, split, stages = config or linear_config(M, N, K, glu, x.device)
+        BM, BN, BK, split, stages, warps = config or linear_config(M, N, K, glu, x.device)
         grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), split)
     part, count = y, y  # (unused without a split)
     if split > 1:
@@ -183,7 +184,7 @@ def decode_linear_triton(x, w, b=None, g=None, residual=None, eps=1e-6, glu=Fals
         NORM=g is not None, GLU=glu, BIAS=b is not None, RESIDUAL=residual is not None, ROPE=rope is not None,
         QK_NORM=qkn is not None, SPLIT_K=split,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=stages, **pdl_launch(x.device))
+        num_warps=warps, num_stages=stages, **pdl_launch(x.device))
     return y
 
 

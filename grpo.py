@@ -307,7 +307,8 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         except Exception as e:  # noqa: BLE001 - a check that cannot count must not stop a run that may fit
             n_params = 0
             print(f"(memory check skipped: {base} did not build on the meta device: {type(e).__name__}: {e})")
-        errors = memory_errors(cfg, n_params, world, torch.cuda.get_device_properties(dev).total_memory)
+        free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        errors = memory_errors(cfg, n_params, world, free)  # (free: what other processes hold is not ours)
         if errors:
             raise ValueError("bad config:\n  " + "\n  ".join(errors))
     # (FSDP2: loaded on the CPU, sharded to dev.) LoRA: the base from --model, the adapters from ckpt on resume

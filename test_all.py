@@ -668,7 +668,7 @@ def test_rollout_decode_linear_kernel_vs_torch():
                 b = rnd(w.shape[0], dt=dt) if kind.get("bias") else None
                 gain = 1 + 0.1 * rnd(K, dt=dt) if kind.get("norm") else None
                 res = rnd(M, N, dt=dt) if kind.get("residual") else None
-                got = decode_gemm.decode_linear_triton(x, w, b, gain, res, 1e-6, glu, config=(BM, 16, 32, split, 2))
+                got = decode_gemm.decode_linear_triton(x, w, b, gain, res, 1e-6, glu, config=(BM, 16, 32, split, 2, 4))
                 d = lambda t: None if t is None else t.double()  # noqa: E731
                 want = decode_gemm.decode_linear_torch(d(x), d(w), d(b), d(gain), d(res), 1e-6, glu)
                 assert got.shape == (M, N) and got.dtype == dt, f"{name}: {got.shape} {got.dtype}"
@@ -682,7 +682,7 @@ def test_rollout_decode_linear_kernel_vs_torch():
             qkn = 1 + 0.1 * rnd(2 * D, dt=dt) if qk_norm else None
             pos, freq = torch.randint(0, 3000, (M,), generator=g).to(DEVICE), 1e4 ** -(torch.arange(0, D, 2) / D)
             got = decode_gemm.decode_linear_triton(x, w, b, gain, None, 1e-6, False, (pos, freq.to(DEVICE), 1.0, nq,
-                                                      nk, qkn, 1e-6), config=(BM, 64, 32, split, 2))
+                                                      nk, qkn, 1e-6), config=(BM, 64, 32, split, 2, 4))
             want = decode_gemm.decode_linear_torch(d(x), d(w), d(b), d(gain), None, 1e-6, False,
                                                       (pos, freq.double(), 1.0, nq, nk, d(qkn), 1e-6))
             assert_close(got.double(), want, tol, f"q|k|v RoPE {dt} qk_norm={qk_norm} M={M} split={split}")
@@ -705,15 +705,16 @@ def _decode_linear_for_hopper():
              ("M", "eps", "NQ", "NQK", "rope_scale", "qk_eps")}
     for name, flags in layer.items():
         for M, split in ((8, 1), (128, 1)) + (((8, 4),) if flags.get("RESIDUAL") else ()):  # (split K: o, down)
-            BM, BN, BK, _, stages = decode_gemm.linear_config(M, 1536, 8960, flags.get("GLU", False),
+            BM, BN, BK, _, stages, warps = decode_gemm.linear_config(M, 1536, 8960, flags.get("GLU", False),
                                                                   torch.device("cpu"))
             const = {**dict(NORM=False, GLU=False, BIAS=False, RESIDUAL=False, ROPE=False, QK_NORM=False), **flags,
                      **dict(SPLIT_K=split, BLOCK_M=BM, BLOCK_N=64 if flags.get("ROPE") else BN, BLOCK_K=BK,
                             PRECISION="tf32", USE_GDC=True)}  # (RoPE: BLOCK_N = head_dim / 2; USE_GDC: PDL)
             src = ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}}, constexprs=const,
                             attrs=attrs)
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=stages))
-            what = f"{name} M={M} split={split} tiles {(BM, BN, BK)} stages {stages}"
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps,
+                                                                                    num_stages=stages))
+            what = f"{name} M={M} split={split} tiles {(BM, BN, BK)} stages {stages} warps {warps}"
             assert k.metadata.shared <= 227 * 1024, f"{what}: {k.metadata.shared} B of shared memory"
             assert "async_copy" in k.asm["ttgir"], f"{what}: the K loop is not pipelined"
             assert "griddepcontrol.wait" in k.asm["ptx"], f"{what}: no PDL wait"
