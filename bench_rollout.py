@@ -222,10 +222,10 @@ def bench_gemms(sweep=False):
     the time its bytes take at the datasheet bandwidth: cuBLAS's plain x @ W^T, and decode_gemm.decode_linear
     with the layer's work folded in (RMSNorm before q|k|v and gate|up, RoPE after q|k|v, SiLU(gate)*up after
     gate|up, the residual after o and down) on linear_config's tiles, and its largest error against
-    decode_linear_torch relative to the output's largest value (bf16 rounding: ~1e-2 and below); sweep: also every (BLOCK_N, split) of a grid,
-    the best printed (its tuple, with num_stages and num_warps, is what to put into linear_config). cuBLAS's gap to the bytes is a per-kernel floor
-    that barely moves with M, so the few-row steps of a ragged rollout's tail are further from their roofline than
-    full steps are."""
+    decode_linear_torch relative to the output's largest value (bf16 rounding: ~1e-2 and below); sweep: also a
+    grid of (BLOCK_N, split, stages, warps), the best printed (the tuple to put into linear_config). Timed from a
+    CUDA graph, as the decode step runs. cuBLAS's gap to the bytes is a per-kernel floor that barely moves with M,
+    so the few-row steps of a ragged rollout's tail are further from their roofline than full steps are."""
     import time
     import itertools
     from triton.testing import do_bench_cudagraph
@@ -241,8 +241,8 @@ def bench_gemms(sweep=False):
     dt = torch.bfloat16 if CUDA else torch.float32
     print(f"decode GEMMs alone; bytes = (W + x + y [+ residual]) / {bw / 1e12:.2f} TB/s; frac = bytes' time / time")
     print(f"{'model':>5} {'M':>4} {'gemm':>8} {'N x K':>12} | {'bytes us':>8} | {'cuBLAS us':>9} {'frac':>5} | "
-          f"{'triton us':>9} {'frac':>5} {'tiles':>25} {'rel err':>7}" + (f" | {'best us':>7} {'frac':>5} {'best tiles':>25}"
-                                                           if sweep else ""))
+          f"{'triton us':>9} {'frac':>5} {'tiles':>25} {'rel err':>7}"
+          + (f" | {'best us':>7} {'frac':>5} {'best tiles':>25}" if sweep else ""))
     for shape in ["1.5B", "0.5B"] if CUDA else ["tiny"]:
         c = SHAPES[shape]
         h, I, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
@@ -267,10 +267,11 @@ def bench_gemms(sweep=False):
                     res = torch.randn(M, N, device=DEV, dtype=dt) if kind.get("residual") else None
                     rope = (torch.arange(M, device=DEV), 1e6 ** -(torch.arange(0, D, 2, device=DEV) / D), 1.0, nq, nk,
                             None, 1e-6) if kind.get("rope") else None  # (BLOCK_N = D/2 whatever a config says)
-                    run = lambda cfg, w=w: decode_gemm.decode_linear_triton(x, w, None, g, res, 1e-6, glu,  # noqa
-                                                                               rope, config=cfg)
-                    n_out, tiles = N // (2 if glu else 1), (N // D if rope else None)
-                    cfg = decode_gemm.linear_config(M, n_out, K, pair, x.device, D // 2 if rope else None, tiles)
+                    eps = None if g is None else 1e-6  # (g = 1: W with it folded in is W)
+                    run = lambda cfg, w=w: decode_gemm.decode_linear_triton(x, w, None, eps, res, glu, rope,  # noqa
+                                                                               config=cfg)
+                    n_out, bn = N // (2 if glu else 1), min(D // 2, decode_gemm.ROPE_BLOCK_N) if rope else None
+                    cfg = decode_gemm.linear_config(M, n_out, K, pair, x.device, bn, rope and N // (2 * bn))
                     tt = us(lambda: run(cfg, next(copies)))
                     ref = decode_gemm.decode_linear_torch(x, w, None, g, res, 1e-6, glu, rope).float()
                     err = ((run(cfg).float() - ref).abs().max() / ref.abs().max()).item()  # the GPU's check
@@ -278,7 +279,7 @@ def bench_gemms(sweep=False):
                     if sweep and CUDA:
                         best = (tt, cfg)
                         BM = cfg[0]
-                        for BN in (D // 2,) if rope else (32, 64, 128):
+                        for BN in (16, 32, D // 2) if rope else (32, 64, 128):
                             for split in (1, 2, 4, 8) if N <= 4 * h else (1, 2):  # (gate|up: enough tiles)
                                 for stages in (2, 4):
                                     for warps in (4, 8) if BM >= 64 else (4,):
@@ -352,7 +353,8 @@ def bench_lora(path=None, r=16, B=8, G=8, P=64, T=1024):
     prompt_ids = torch.randint(3, model.config.vocab_size, (B, P), device=DEV,
                                generator=torch.Generator(device=DEV).manual_seed(1))
     print(f"decode with and without LoRA (r={r}) on {torch.cuda.get_device_name() if CUDA else 'cpu'}: "
-          f"{path or ('random 1.5B' if CUDA else 'tiny')}, {B} prompts x {G}, P={P}, {T} new tokens, no EOS", flush=True)
+          f"{path or ('random 1.5B' if CUDA else 'tiny')}, {B} prompts x {G}, P={P}, {T} new tokens, no EOS",
+          flush=True)
     rate = {}
     for name in ("base", "lora"):
         if name == "lora":

@@ -274,12 +274,13 @@ def lora_errors(cfg, world):
 
 
 def memory_errors(cfg, n_params, world, gpu_bytes):
-    """the training state alone must fit the GPU's free bytes; said before the weights load (grpo.run, on CUDA). Per parameter,
-    full fine-tuning holds 16 bytes: float32 weights (a bf16 run: its float32 masters), their float32 gradients
-    and AdamW's two float32 moments; a bf16/fp16 run adds the weights it runs in (2 bytes). FSDP2 shards the 16
-    over the ranks and keeps the gathered weights whole on each (ZeRO-2). LoRA: the frozen base in dtype, nothing
-    else that scales with it. beta > 0 without LoRA: a reference model in dtype. Activations, K/V and logits come
-    on top: passing this is necessary, not sufficient (the OOM messages inside the step name those knobs)."""
+    """the training state alone must fit the GPU's free bytes (gpu_bytes: what other processes hold is not ours);
+    said before the weights load (grpo.run, on CUDA). Per parameter, full fine-tuning holds 16 bytes: float32
+    weights (a bf16 run: its float32 masters), their float32 gradients and AdamW's two float32 moments; a bf16/fp16
+    run adds the weights it runs in (2 bytes). FSDP2 shards the 16 over the ranks and keeps the gathered weights
+    whole on each (ZeRO-2). LoRA: the frozen base in dtype, nothing else that scales with it. beta > 0 without LoRA:
+    a reference model in dtype. Activations, K/V and logits come on top: passing this is necessary, not sufficient
+    (the OOM messages inside the step name those knobs)."""
     dt_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
     sharded = world > 1 and cfg.fsdp
     if cfg.lora_r:

@@ -6,7 +6,8 @@ cuBLAS pays a fixed 4-7 us per call whatever its bytes (BENCHMARKS: "Where a dec
 launch for every norm, RoPE, SiLU-mul and residual add between the GEMMs. decode_linear runs one of a layer's four
 GEMMs with the work around it in the same launch:
 
-    q|k|v    = RoPE(RMSNorm(h) @ W_qkv^T + b)      (RMSNorm as r * ((h * g) @ W^T): r rides on the x loads;
+    q|k|v    = RoPE(RMSNorm(h) @ W_qkv^T + b)      (RMSNorm as r * (h @ (W g)^T): the norm's weight g folded
+                                                    into W's columns once per rollout (fold_norm), r from the x loads;
                                                     RoPE and qwen3's q/k norms on each q/k head, v passed through)
     h        = h + o @ W_o^T + b                    (the residual add in the epilogue)
     a        = silu(x W_gate^T) * (x W_up^T),  x = RMSNorm(h)
@@ -15,7 +16,9 @@ GEMMs with the work around it in the same launch:
 M is one tile, so each weight is read once; where there are too few output tiles to pull HBM, K is split and the
 split that arrives last sums the partials in split order (the same bits whatever the timing). decode_linear_torch
 is the same function in the model's own ops and roundings; nanogrpo::decode_linear is either as a torch op that
-torch.compile keeps inside the one-graph decode. Opt-in until measured on the GPU (issue 20).
+torch.compile keeps inside the one-graph decode. Opt-in: on an H200 its down_proj matches cuBLAS, but q|k|v (one
+program a head) and gate|up (the sum of squares in the K loop) are slower, and a step with it is 1.4-2x slower
+(BENCHMARKS, "The decode-floor levers"; issue 20).
 """
 from typing import List, Optional
 
@@ -27,29 +30,35 @@ from decode_kernels import _wait_for_previous_kernel, counters, pdl_launch
 
 
 @triton.jit
-def _decode_linear_kernel(x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr, pos_ptr, freq_ptr, qkn_ptr,
+def _decode_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr, pos_ptr, freq_ptr, qkn_ptr,
                           M, N, K, K_PER, eps, NQ, NQK, rope_scale, qk_eps,
                           stride_xm, stride_wn, stride_rm, stride_ym,
                           NORM: tl.constexpr, GLU: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
-                          ROPE: tl.constexpr, QK_NORM: tl.constexpr,
+                          ROPE: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr,
                           SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           PRECISION: tl.constexpr, USE_GDC: tl.constexpr):
     """program (n tile, m tile, k split): y[m, n] = epilogue(sum over the split's K range of x[m, k] W[n, k]).
-    NORM (RMSNorm folded in): sum_k (x_k r g_k) W_nk = r sum_k (x_k g_k) W_nk with r = rsqrt(mean_k x_k^2 + eps),
-    so the dot takes x * g and the row scale r multiplies the accumulator; sum x^2 rides along the same x loads.
+    NORM (RMSNorm folded in): sum_k (x_k r g_k) W_nk = r sum_k x_k (g_k W_nk) with r = rsqrt(mean_k x_k^2 + eps):
+    W arrives with g folded into its columns (fold_norm), the dot takes x as loaded, the row scale r multiplies the
+    accumulator, and sum x^2 rides along the same x loads. (Multiplying x by g in the loop instead cost the K loop
+    ~40% of its bandwidth on an H200: x went through registers before every dot.)
     GLU: W is [gate; up] (2N, K), y = silu(a_gate) * a_up (the two rows of a pair in the same program).
-    RESIDUAL: y = r + a. ROPE (q|k|v, BLOCK_N = head_dim / 2): program n is head n, its two halves the pair;
-    q and k heads (n < NQK) are rotated at their rows' positions, x' = x cos + rotate_half(x) sin, i.e.
+    RESIDUAL: y = r + a. ROPE (q|k|v, HALF = head_dim / 2): a head's two halves are the pair, BLOCK_N columns of
+    each (HALF / BLOCK_N programs a head: one head alone is too few programs to pull HBM); q and k heads (< NQK)
+    are rotated at their rows' positions, x' = x cos + rotate_half(x) sin, i.e.
     lo' = lo cos - hi sin, hi' = hi cos + lo sin with angle pos * inv_freq (times rope_scale: transformers'
-    attention_scaling); QK_NORM (qwen3) first takes each q or k head's RMSNorm (weights qkn: [q_norm; k_norm]).
+    attention_scaling); QK_NORM (qwen3; BLOCK_N = HALF: it needs the whole head) first takes each q or k head's
+    RMSNorm (weights qkn: [q_norm; k_norm]).
     v heads pass through. SPLIT_K > 1 (few output tiles, long K: more programs to pull HBM): each split stores its
     float32 partial sums and bumps the tile's counter; the split that arrives last sums the partials in split order
     (the same bits whichever arrives last), runs the epilogue and resets the counter for the next launch."""
     _wait_for_previous_kernel(USE_GDC)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * (2 * BLOCK_N if ROPE else BLOCK_N) + tl.arange(0, BLOCK_N)
-    HI = BLOCK_N if ROPE else N  # the pair's second row: up (GLU) or the head's second half (ROPE)
+    head, sub = pid_n // (HALF // BLOCK_N), pid_n % (HALF // BLOCK_N)  # (ROPE only)
+    offs_d = sub * BLOCK_N + tl.arange(0, BLOCK_N)  # (ROPE only) the columns' frequency index in the head half
+    offs_n = (head * 2 * HALF + offs_d) if ROPE else pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    HI = HALF if ROPE else N  # the pair's second row: up (GLU) or the head's second half (ROPE)
     m_ok, n_ok = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # (GLU, ROPE only) the pair's second row
@@ -62,8 +71,6 @@ def _decode_linear_kernel(x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, co
         if NORM:
             xf = x.to(tl.float32)
             ss += tl.sum(xf * xf, 1)
-            g = tl.load(g_ptr + offs_k, mask=k_ok, other=0.).to(tl.float32)
-            x = (xf * g[None, :]).to(w_ptr.dtype.element_ty)
         w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]  # W^T's tile (BLOCK_K, BLOCK_N)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
@@ -107,11 +114,10 @@ def _decode_linear_kernel(x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, co
         if GLU:
             acc = acc * tl.sigmoid(acc) * acc_up
         if ROPE:
-            rotate = pid_n < NQK  # a q or k head
-            offs_d = tl.arange(0, BLOCK_N)
+            rotate = head < NQK  # a q or k head
             if QK_NORM:
                 r_h = tl.rsqrt((tl.sum(acc * acc, 1) + tl.sum(acc_up * acc_up, 1)) / (2 * BLOCK_N) + qk_eps)[:, None]
-                qkn = qkn_ptr + tl.where(pid_n < NQ, 0, 2 * BLOCK_N)
+                qkn = qkn_ptr + tl.where(head < NQ, 0, 2 * BLOCK_N)
                 lo_n = acc * r_h * tl.load(qkn + offs_d).to(tl.float32)[None, :]
                 hi_n = acc_up * r_h * tl.load(qkn + BLOCK_N + offs_d).to(tl.float32)[None, :]
                 acc, acc_up = tl.where(rotate, lo_n, acc), tl.where(rotate, hi_n, acc_up)
@@ -129,43 +135,56 @@ def _decode_linear_kernel(x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, co
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
-GEMM_BLOCK_N = 64  # output columns per program (the decode GEMMs: M = live rows, 8-128)
-GEMM_BLOCK_K = 128  # reduction step; a stage holds BLOCK_M x BLOCK_K of x and BLOCK_N x BLOCK_K of W (twice: GLU)
-GEMM_WAVES = 1  # split K until there are this many programs per SM (small-N GEMMs: o_proj, down_proj)
-GEMM_SMEM = 160 * 1024  # bytes of shared memory the pipeline stages may take (H100/H200: 227 KiB a block)
+GEMM_BLOCK_K = 128  # reduction step; a stage holds BLOCK_M x BLOCK_K of x and BLOCK_N x BLOCK_K of W (twice: a pair)
+ROPE_BLOCK_N = 32  # q|k|v with RoPE: columns of each head half a program (all D/2 with q/k norms: they need the head)
+GEMM_WAVES = 4  # few-row GEMMs (<= 32): split K until there are ~this many programs per SM (o_proj, down_proj)
 
 
 def linear_config(M, N, K, pair, device, block_n=None, n_tiles=None):
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps) for a decode GEMM of N outputs (pair: two W tiles
     a step, GLU or RoPE): one m tile up to 128 rows (W is read once), BLOCK_N columns (block_n; n_tiles programs
-    along N if given: RoPE's one a head), K split in whole BLOCK_K steps until the grid covers GEMM_WAVES x the SMs,
-    as many pipeline stages as fit GEMM_SMEM; 8 warps from 64 rows on (4 would hold a 64-128 row x tile and two
-    accumulators in too few registers)"""
-    BM, BN, BK = min(128, max(16, triton.next_power_of_2(M))), block_n or GEMM_BLOCK_N, GEMM_BLOCK_K
+    along N if given: RoPE's one a head), K split in whole BLOCK_K steps while the grid is under GEMM_WAVES x the
+    SMs (one wave, at most 2 splits, from 64 rows: the partials grow with the rows). The rest is what
+    `bench_rollout.py gemms sweep` found best on an H200 (1.5B shape; at 8 and 32 rows within 10% of the best of
+    44-72 tiles, at or past cuBLAS's bandwidth on gate|up and down): few rows want small tiles, many programs
+    (2 warps each) and deep pipelines; 64-128 rows want 4-8 warps (a 128-row x tile and two accumulators)."""
+    BM, BK = min(128, max(16, triton.next_power_of_2(M))), GEMM_BLOCK_K
+    few = BM <= 32
+    BN = block_n or (32 if pair or not few else 16)
     tiles = (n_tiles or triton.cdiv(N, BN)) * triton.cdiv(M, BM)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    split = 1
-    while tiles * split * 2 <= GEMM_WAVES * sms and triton.cdiv(K, BK) >= 4 * split:  # >= 2 K steps a split
-        split *= 2
-    stage = (BM + BN * (2 if pair else 1)) * BK * 2
-    return BM, BN, BK, split, max(2, min(4, GEMM_SMEM // stage)), 8 if BM >= 64 else 4
+    split, waves, max_split = 1, (GEMM_WAVES if few else 1), (8 if few else 2)
+    while tiles * split * 2 <= waves * sms and triton.cdiv(K, BK) >= 4 * split and split < max_split:
+        split *= 2  # (>= 2 K steps a split)
+    stages = (3 if pair else 5) if few else (2 if pair else 4)
+    warps = (4 if BN >= 64 else 2) if few else (8 if pair else 4)  # (RoPE: a whole head half, 64 columns)
+    return BM, BN, BK, split, stages, warps
 
 
-def decode_linear_triton(x, w, b=None, g=None, residual=None, eps=1e-6, glu=False, rope=None, config=None):
-    """(M, K) x, (N or 2N, K) W -> (M, N): RMSNorm(x; g, eps) if g is given, then x @ W^T + b, then
+def fold_norm(w, g):
+    """W (N, K) with an RMSNorm's weight g (K,) folded into its columns, W g, rounded once to W's dtype: what
+    decode_linear_triton reads for a GEMM behind that norm (rollout folds once per rollout)"""
+    return (w.float() * g.float()[None, :]).to(w.dtype)
+
+
+def decode_linear_triton(x, w, b=None, norm_eps=None, residual=None, glu=False, rope=None, config=None):
+    """(M, K) x, (N or 2N, K) W -> (M, N): RMSNorm(x) (eps norm_eps, its weight already in W: fold_norm) if
+    norm_eps is given, then x @ W^T + b, then
     silu(gate) * up if glu, or RoPE on the q and k heads of q|k|v if rope = (pos (M,), inv_freq (D/2,), scale,
     n_q_heads, n_k_heads, [q_norm; k_norm] (2D,) or None, its eps), then + residual (M, N); one launch
     (decode_linear_torch is the same in torch ops). config: linear_config's tuple, to override it (bench_rollout.py
-    gemms; with rope, BLOCK_N is D/2 whatever it says)."""
+    gemms; with rope, a BLOCK_N that does not divide D/2, or any but D/2 with q/k norms, is taken as D/2)."""
     M, K = x.shape
     N = w.shape[0] // (2 if glu else 1)
     assert x.stride(1) == w.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if rope is not None:  # one program a head: its halves are the pair
+    if rope is not None:  # a head's halves are the pair: BN columns of each a program
         pos, freq, rope_scale, nq, nk, qkn, qk_eps = rope
         half = freq.numel()
-        BM, _, BK, split, stages, warps = config or linear_config(M, N, K, True, x.device, half, N // (2 * half))
-        BN, grid = half, (N // (2 * half), triton.cdiv(M, BM), split)
+        BN = half if qkn is not None else min(half, ROPE_BLOCK_N)
+        BM, BN, BK, split, stages, warps = config or linear_config(M, N, K, True, x.device, BN, N // (2 * BN))
+        BN = BN if half % BN == 0 and (qkn is None or BN == half) else half
+        grid = (N // (2 * BN), triton.cdiv(M, BM), split)
     else:
         pos = freq = qkn = None
         rope_scale, nq, nk, qk_eps = 1.0, 0, 0, 0.0
@@ -177,12 +196,12 @@ def decode_linear_triton(x, w, b=None, g=None, residual=None, eps=1e-6, glu=Fals
         count = counters(x.device, grid[0] * grid[1])
     dummy = w  # (pointers a disabled branch never reads)
     _decode_linear_kernel[grid](
-        x, dummy if g is None else g, w, dummy if b is None else b, dummy if residual is None else residual, y, part,
+        x, w, dummy if b is None else b, dummy if residual is None else residual, y, part,
         count, dummy if pos is None else pos, dummy if freq is None else freq, dummy if qkn is None else qkn,
-        M, N, K, triton.cdiv(triton.cdiv(K, split), BK) * BK, eps, nq, nq + nk, rope_scale, qk_eps,
+        M, N, K, triton.cdiv(triton.cdiv(K, split), BK) * BK, norm_eps or 0., nq, nq + nk, rope_scale, qk_eps,
         x.stride(0), w.stride(0), 0 if residual is None else residual.stride(0), y.stride(0),
-        NORM=g is not None, GLU=glu, BIAS=b is not None, RESIDUAL=residual is not None, ROPE=rope is not None,
-        QK_NORM=qkn is not None, SPLIT_K=split,
+        NORM=norm_eps is not None, GLU=glu, BIAS=b is not None, RESIDUAL=residual is not None, ROPE=rope is not None,
+        QK_NORM=qkn is not None, HALF=freq.numel() if rope is not None else BN, SPLIT_K=split,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages, **pdl_launch(x.device))
     return y
@@ -217,21 +236,24 @@ def decode_linear_torch(x, w, b=None, g=None, residual=None, eps=1e-6, glu=False
 
 
 @torch.library.custom_op("nanogrpo::decode_linear", mutates_args=())
-def decode_linear_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], g: Optional[torch.Tensor],
+def decode_linear_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], norm: bool,
                      residual: Optional[torch.Tensor], eps: float, glu: bool, impl: str,
                      pos: Optional[torch.Tensor] = None, inv_freq: Optional[torch.Tensor] = None,
                      qk_norm: Optional[torch.Tensor] = None, heads: Optional[List[int]] = None,
                      rope_scale: float = 1.0, qk_eps: float = 0.0) -> torch.Tensor:
     """decode_linear_triton (impl "triton") or decode_linear_torch as a torch op, so that torch.compile keeps the
-    one-graph decode with it inside. x (..., K) -> (..., N); RoPE when pos is given (heads: [n_q, n_k])"""
+    one-graph decode with it inside. x (..., K) -> (..., N); norm: an RMSNorm (eps) in front, its weight folded into
+    W (fold_norm); RoPE when pos is given (heads: [n_q, n_k])"""
     lead = x.shape[:-1]
     flat = lambda t: None if t is None else t.reshape(-1, t.shape[-1])  # noqa: E731
     rope = None if pos is None else (pos.reshape(-1), inv_freq, rope_scale, heads[0], heads[1], qk_norm, qk_eps)
-    fn = decode_linear_triton if impl == "triton" else decode_linear_torch
-    return fn(flat(x), w, b, g, flat(residual), eps, glu, rope).reshape(*lead, -1)
+    if impl == "triton":
+        return decode_linear_triton(flat(x), w, b, eps if norm else None, flat(residual), glu, rope).reshape(*lead, -1)
+    g = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device) if norm else None  # (W carries the weight)
+    return decode_linear_torch(flat(x), w, b, g, flat(residual), eps, glu, rope).reshape(*lead, -1)
 
 
 @decode_linear_op.register_fake
-def _(x, w, b, g, residual, eps, glu, impl, pos=None, inv_freq=None, qk_norm=None, heads=None, rope_scale=1.0,
+def _(x, w, b, norm, residual, eps, glu, impl, pos=None, inv_freq=None, qk_norm=None, heads=None, rope_scale=1.0,
       qk_eps=0.0):
     return x.new_empty(*x.shape[:-1], w.shape[0] // (2 if glu else 1))

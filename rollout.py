@@ -15,7 +15,7 @@ A decode step of B*G rows must read every weight once plus every live row's K/V.
    GEMMs matters more than their bytes: decode_forward runs the model's own modules (embedding, RoPE, norms,
    o_proj, activation, down_proj, LM head) but q|k|v as one GEMM and gate|up as another, on weights concatenated
    once per call (FUSE; 7 GEMMs a layer become 4). DECODE_GEMM = "triton" runs those 4 as decode_gemm's
-   decode_linear, with the norms, RoPE, SiLU-mul and residual adds inside their launches (opt-in until measured).
+   decode_linear, with the norms, RoPE, SiLU-mul and residual adds inside their launches (opt-in: slower today).
 
 Each decode step (model forward, sampling, bookkeeping) is one CUDA graph replay; the host only checks "done" every
 CHECK_EVERY steps. Sampling needs no host sync either (decode_kernels.py: inverse-CDF Triton kernels, or torch ops
@@ -45,7 +45,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from decode_gemm import decode_linear_op  # noqa: F401 (registers the op nanogrpo::decode_linear)
+from decode_gemm import decode_linear_op, fold_norm  # noqa: F401 (decode_linear_op registers nanogrpo::decode_linear)
 from decode_kernels import decode_attention_op, sample, sample_triton
 from kv_reuse import positions, reuse_unsupported, trim_left_padding
 from lora import effective_weight
@@ -214,7 +214,7 @@ def project(st, x, w, b, norm=None, act=None, residual=None):
     """one decode GEMM with its neighbours: residual + act(norm(x) @ W^T + b), act(y) = act_fn(gate) * up on W's
     two halves [gate; up]. st.gemm "triton": one decode_gemm launch; else the model's modules and F.linear"""
     if st.gemm == "triton":
-        return torch.ops.nanogrpo.decode_linear(x, w, b, None if norm is None else norm.weight, residual,
+        return torch.ops.nanogrpo.decode_linear(x, w, b, norm is not None, residual,  # (W: the norm's weight in)
                                                 0. if norm is None else norm.variance_epsilon, act is not None,
                                                 "triton")
     y = F.linear(x if norm is None else norm(x), w, b)
@@ -246,7 +246,7 @@ def attention_inputs(st, i, layer, h, w_qkv, b_qkv, pos, cos, sin):
     sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
     heads = lambda q, k, v: [t.view(n, 1, -1, D).transpose(1, 2) for t in (q, k, v)]  # noqa: E731
     if st.gemm == "triton" and st.rope is not None:
-        qkv = torch.ops.nanogrpo.decode_linear(h, w_qkv, b_qkv, norm.weight, None, norm.variance_epsilon, False,
+        qkv = torch.ops.nanogrpo.decode_linear(h, w_qkv, b_qkv, True, None, norm.variance_epsilon, False,
                                                "triton", pos, st.rope[0], st.qk_norms[i],
                                                [sizes[0] // D, sizes[1] // D], st.rope[1], st.qk_eps)
         return heads(*qkv.split(sizes, -1))
@@ -418,6 +418,10 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         gemm = "triton" if DECODE_GEMM == "triton" and fused is not None and triton_gemms_fit(model, fused, dev) \
             else "torch"
         rope = epilogue_rope(model, dev) if gemm == "triton" else None
+        if gemm == "triton":  # decode_linear reads W with the RMSNorm's weight in its columns (decode_gemm.fold_norm)
+            fused = [(fold_norm(w_qkv, layer.input_layernorm.weight), b_qkv,
+                      fold_norm(w_gu, layer.post_attention_layernorm.weight), b_gu, *rest)
+                     for layer, (w_qkv, b_qkv, w_gu, b_gu, *rest) in zip(model.model.layers, fused)]
         LAST.clear()
         LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None, gemm=gemm,
                     rope="epilogue" if rope else "torch")

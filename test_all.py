@@ -668,21 +668,25 @@ def test_rollout_decode_linear_kernel_vs_torch():
                 b = rnd(w.shape[0], dt=dt) if kind.get("bias") else None
                 gain = 1 + 0.1 * rnd(K, dt=dt) if kind.get("norm") else None
                 res = rnd(M, N, dt=dt) if kind.get("residual") else None
-                got = decode_gemm.decode_linear_triton(x, w, b, gain, res, 1e-6, glu, config=(BM, 16, 32, split, 2, 4))
+                wg = w if gain is None else decode_gemm.fold_norm(w, gain)  # (the norm's weight in W's columns)
+                got = decode_gemm.decode_linear_triton(x, wg, b, None if gain is None else 1e-6, res, glu,
+                                                       config=(BM, 16, 32, split, 2, 4))
                 d = lambda t: None if t is None else t.double()  # noqa: E731
                 want = decode_gemm.decode_linear_torch(d(x), d(w), d(b), d(gain), d(res), 1e-6, glu)
                 assert got.shape == (M, N) and got.dtype == dt, f"{name}: {got.shape} {got.dtype}"
                 assert_close(got.double(), want, tol * float(want.abs().max()), f"{name} {dt} M={M} split={split}")
                 if split > 1:
                     assert int(decode_kernels.COUNTERS[x.device].abs().sum()) == 0, f"{name}: counters not reset"
-        D, nq, nk, nv, K = 16, 4, 2, 2, 96  # q|k|v with RoPE (positions up to 3000) and qwen3's q/k norms
-        for qk_norm, bias, M, BM, split in ((False, True, 5, 16, 1), (True, False, 17, 16, 2), (True, True, 17, 32, 1)):
+        D, nq, nk, nv, K = 32, 4, 2, 2, 96  # q|k|v with RoPE (positions up to 3000) and qwen3's q/k norms; BN 8:
+        for qk_norm, bias, M, BM, split in ((False, True, 5, 16, 1), (True, False, 17, 16, 2), (True, True, 17, 32, 1),
+                                            (False, False, 17, 16, 2)):  # 2 programs a head without the q/k norms
             x, w = rnd(M, K, dt=dt), rnd((nq + nk + nv) * D, K, dt=dt) / K ** 0.5
             b, gain = rnd(w.shape[0], dt=dt) if bias else None, 1 + 0.1 * rnd(K, dt=dt)
             qkn = 1 + 0.1 * rnd(2 * D, dt=dt) if qk_norm else None
             pos, freq = torch.randint(0, 3000, (M,), generator=g).to(DEVICE), 1e4 ** -(torch.arange(0, D, 2) / D)
-            got = decode_gemm.decode_linear_triton(x, w, b, gain, None, 1e-6, False, (pos, freq.to(DEVICE), 1.0, nq,
-                                                      nk, qkn, 1e-6), config=(BM, 64, 32, split, 2, 4))
+            got = decode_gemm.decode_linear_triton(x, decode_gemm.fold_norm(w, gain), b, 1e-6, None, False,
+                                                   (pos, freq.to(DEVICE), 1.0, nq, nk, qkn, 1e-6),
+                                                   config=(BM, 8, 32, split, 2, 4))
             want = decode_gemm.decode_linear_torch(d(x), d(w), d(b), d(gain), None, 1e-6, False,
                                                       (pos, freq.double(), 1.0, nq, nk, d(qkn), 1e-6))
             assert_close(got.double(), want, tol, f"q|k|v RoPE {dt} qk_norm={qk_norm} M={M} split={split}")
@@ -695,12 +699,12 @@ def _decode_linear_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     fn = decode_gemm._decode_linear_kernel
-    types = dict(x_ptr="*bf16", g_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", r_ptr="*bf16", y_ptr="*bf16",
+    types = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", r_ptr="*bf16", y_ptr="*bf16",
                  part_ptr="*fp32", count_ptr="*i32", pos_ptr="*i64", freq_ptr="*fp32", qkn_ptr="*bf16", M="i32",
                  N="i32", K="i32", K_PER="i32", eps="fp32", NQ="i32", NQK="i32", rope_scale="fp32", qk_eps="fp32",
                  stride_xm="i32", stride_wn="i32", stride_rm="i32", stride_ym="i32")
-    layer = dict(qkv=dict(NORM=True, BIAS=True, ROPE=True, QK_NORM=True), o=dict(BIAS=True, RESIDUAL=True),
-                 gate_up=dict(NORM=True, GLU=True), down=dict(RESIDUAL=True))
+    layer = dict(qkv=dict(NORM=True, BIAS=True, ROPE=True, QK_NORM=True), qkv_halves=dict(NORM=True, ROPE=True),
+                 o=dict(BIAS=True, RESIDUAL=True), gate_up=dict(NORM=True, GLU=True), down=dict(RESIDUAL=True))
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in types and a not in
              ("M", "eps", "NQ", "NQK", "rope_scale", "qk_eps")}
     for name, flags in layer.items():
@@ -708,8 +712,9 @@ def _decode_linear_for_hopper():
             BM, BN, BK, _, stages, warps = decode_gemm.linear_config(M, 1536, 8960, flags.get("GLU", False),
                                                                   torch.device("cpu"))
             const = {**dict(NORM=False, GLU=False, BIAS=False, RESIDUAL=False, ROPE=False, QK_NORM=False), **flags,
-                     **dict(SPLIT_K=split, BLOCK_M=BM, BLOCK_N=64 if flags.get("ROPE") else BN, BLOCK_K=BK,
-                            PRECISION="tf32", USE_GDC=True)}  # (RoPE: BLOCK_N = head_dim / 2; USE_GDC: PDL)
+                     **dict(SPLIT_K=split, BLOCK_M=BM, BLOCK_K=BK, PRECISION="tf32", USE_GDC=True,  # (PDL)
+                            BLOCK_N=64 if "QK_NORM" in flags else 32 if "ROPE" in flags else BN,  # (head_dim 128:
+                            HALF=64 if "ROPE" in flags else BN)}  # the q/k norms' whole half, or 2 programs)
             src = ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}}, constexprs=const,
                             attrs=attrs)
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps,
