@@ -23,6 +23,7 @@ import math
 import torch
 
 import lora
+from dist import all_ranks, distributed, fsdp_modules, global_sum
 from kv_reuse import completion_hidden
 from rollout import LAST, eos_tensor, generate_groups
 from logprobs import token_logprobs
@@ -34,68 +35,6 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 ROW_KEYS = ("completion_ids", "completion_mask", "truncated", "advantages", "loss_weights", "old_logp", "ref_logp",
             "entropy_mask", "sampler_logp")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-# under torchrun every rank holds whole groups of the generation batch; the normalizers below are counted over the
-# ranks (global_sum), so the SUM over ranks of the ranks' gradients is the one-process gradient of the whole batch
-def distributed():
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def rank():
-    return torch.distributed.get_rank() if distributed() else 0
-
-
-def world_size():
-    return torch.distributed.get_world_size() if distributed() else 1
-
-
-def fsdp_modules(model):
-    """the FSDP2 units of a model sharded by grpo.shard_model (decoder layers, then the root); [] for a plain model"""
-    from torch.distributed.fsdp import FSDPModule
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-@contextlib.contextmanager
-def gathered(model):
-    """FSDP2: the full weights on every rank for generation (one all-gather per unit, not one per decode step),
-    resharded on exit; generation sets FSDP's forward hooks aside meanwhile (rollout.sampling), so the plain HF
-    modules run on them. A no-op for a plain model. Every rank must enter it together (the all-gathers are
-    collectives)."""
-    units = fsdp_modules(model)
-    for m in units:
-        m.unshard()
-    try:
-        yield
-    finally:
-        for m in units:
-            m.reshard()
-
-
-def global_sum(x, op="sum"):
-    """x summed (or max / min) over the ranks of a torchrun job; x itself in one process"""
-    if distributed():
-        x = x.clone()
-        torch.distributed.all_reduce(x, op=getattr(torch.distributed.ReduceOp, op.upper()))
-    return x
-
-
-def rank0_value(x):
-    """rank 0's x on every rank (the others wait here until rank 0 has it); x in one process"""
-    if not distributed():
-        return x
-    box = [x]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def all_ranks(x):
-    """[x of rank 0, x of rank 1, ...] for a picklable x; [x] in one process"""
-    if not distributed():
-        return [x]
-    out = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, x)
-    return out
 
 
 @torch.no_grad()

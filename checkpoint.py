@@ -19,8 +19,8 @@ complete save), a cut last log line (read_log drops it with a notice), a dead ru
 on the same host). A file cut some other way is named when it fails to load (loaded). Resume refuses a change of
 what defines the run (STRUCTURAL) and takes the rest with a notice.
 
-grpo.py calls in here; this file imports batching (rank, all_ranks, fsdp_modules) and lora (a LoRA run saves
-its adapters), never grpo.
+grpo.py calls in here; this file imports dist (rank, all_ranks, fsdp_modules) and lora (a LoRA run saves its
+adapters), never grpo.
 """
 import glob
 import json
@@ -34,7 +34,7 @@ import zipfile
 import torch
 
 import lora
-from batching import rank
+from dist import rank
 
 # ------------------------------------------------------------------------------------------------------------------
 # out_dir: the LOCK, --overwrite / --resume, atomic checkpoints
@@ -140,8 +140,8 @@ def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
     """every rank calls it (its RNG state goes in); rank 0 writes the HF directory. A replica's optimizer is rank 0's;
     under FSDP2 the full float32 weights are gathered to rank 0's CPU, and each rank writes its own optimizer shard
     (optimizer_rank{r}.pt) into ckpt.tmp before rank 0 writes trainer_state.pt and swaps the directory in
-    (batching.rank0_value, rank 0's value on every rank, is the barrier: the ranks wait for rank 0)"""
-    from batching import all_ranks, fsdp_modules, rank0_value
+    (dist.rank0_value, rank 0's value on every rank, is the barrier: the ranks wait for rank 0)"""
+    from dist import all_ranks, fsdp_modules, rank0_value
     rng = dict(torch=torch.get_rng_state(), python=random.getstate(),
                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     rngs = all_ranks(rng)

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import torch
 
 import checkpoint
-from batching import rank, rank0_value, world_size
+from dist import rank, rank0_value, setup_distributed, world_size
 import lora
 from config import memory_errors, parse_config, resolve
 from tasks import (TASKS, check_training_pool, load_task, make_reward, overlong_penalty,  # noqa: F401
@@ -35,26 +35,9 @@ from tasks import (TASKS, check_training_pool, load_task, make_reward, overlong_
 # prompts_per_step / N whole groups (advantages stay local) from its own RNG stream (seed + rank); batching.py counts
 # the loss normalizers over all ranks, so the SUM of the ranks' gradients is the one-process gradient of the whole
 # step. The model is sharded with FSDP2 (shard_model; --fsdp=False: a full replica per rank, gradients all-reduced).
-# The held-out eval is sharded; rank 0 alone prints, logs and saves. Plain `python grpo.py` sets no RANK: rank 0 of
-# 1, and nothing here runs.
+# The held-out eval is sharded; rank 0 alone prints, logs and saves. The process group and the helpers every file
+# shares (rank, sums over ranks, FSDP2's units) are dist.py's. Plain `python grpo.py` sets no RANK: rank 0 of 1.
 # ------------------------------------------------------------------------------------------------------------------
-def setup_distributed(cfg, dev):
-    """the process group from torchrun's environment; returns (rank, world size, this rank's device)"""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return 0, 1, dev
-    import datetime
-    import torch.distributed as dist
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    if dev.type == "cuda":
-        dev = torch.device("cuda", local)  # one GPU per process
-        torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(minutes=cfg.dist_timeout_minutes))  # no endless hang
-    if rank != 0:
-        sys.stdout = open(os.devnull, "w")  # rank 0 prints; errors (stderr) still show from every rank
-    return rank, world, dev
-
-
 def shard_model(model, dt, dev):
     """FSDP2: fully_shard each decoder layer, then the root (embeddings, final norm, LM head: tied ones stay one
     parameter). The float32 weights, their gradients and AdamW's moments (16 bytes a parameter) are sharded over the
@@ -69,7 +52,8 @@ def shard_model(model, dt, dev):
     it reads is the gathered one and its gradient is reduced like every other."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-    from batching import fsdp_modules, logprobs_forward
+    from batching import logprobs_forward
+    from dist import fsdp_modules
     mesh = init_device_mesh(dev.type, (world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=None if dt == torch.float32 else dt, reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -129,7 +113,7 @@ def make_optimizer(policy, cfg, dt):
     MixedPrecisionPolicy gathers them in dt). With LoRA only the float32 adapters train: the frozen base is cast to
     dt and has no master (a 7B model's base is 15 GB in bf16, where masters and AdamW would add 90 GB). Returns
     (optimizer, masters or None)."""
-    from batching import fsdp_modules
+    from dist import fsdp_modules
     master, sharded = None, bool(fsdp_modules(policy))
     trainable = [p for p in policy.parameters() if p.requires_grad]
     if len(trainable) < len(list(policy.parameters())):  # LoRA (lora.add_lora froze the rest)
@@ -153,7 +137,8 @@ def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
     every rank calls it on its own share of the prompts and the counts are summed. Returns a dict; eval_samples:
     the first cfg.eval_samples greedy completions (rank 0's), what the numbers alone do not show (e.g. which
     questions are never answered right, and how they are answered)."""
-    from batching import all_ranks, rollout
+    from batching import rollout
+    from dist import all_ranks
     model.eval()
     correct = fmt = passed = 0
     samples = []
@@ -195,7 +180,8 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
     in 32, a 32x smaller gradient). Uniform groups are added only up to a whole number of steps_per_generation
     mini-batches (at least one group). Returns (buffer, rewards (B*G,), stats over EVERY sampled completion of the
     step; `groups` counts the trained ones)."""
-    from batching import all_ranks, concat_groups, rollout, select_groups
+    from batching import concat_groups, rollout, select_groups
+    from dist import all_ranks
     n, G = cfg.prompts_per_step // world_size(), cfg.group_size  # this rank's share of the step's groups
     kept, spare, draws, sampled = [], [], [], []  # kept / spare: (draw, group); sampled: (total, correct, parts, pen)
     n_flat = 0  # sampled groups whose rewards are all equal
@@ -281,7 +267,8 @@ def train(argv):
 def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     from tqdm import tqdm
 
-    from batching import all_ranks, gathered, prepare_buffer, stat_op, update_step
+    from batching import prepare_buffer, stat_op, update_step
+    from dist import all_ranks, gathered
     r, world = rank(), world_size()
     # the other ranks wait for rank 0's recovery
     ckpt = rank0_value(checkpoint.prepare_out_dir(cfg) if r == 0 else None)
@@ -472,3 +459,7 @@ def plot_curves(records, out_dir):
 
 if __name__ == "__main__":
     train(sys.argv[1:])
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # torchrun: the process group is destroyed, every file closed;
+        sys.stdout.flush()                       # leave before interpreter teardown, where gloo's worker threads
+        sys.stderr.flush()                       # can still be joinable: "terminate called without an active
+        os._exit(0)                              # exception", SIGABRT (pytorch PR 179291; seen once in CI)

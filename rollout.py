@@ -320,7 +320,7 @@ def sampling(model):
     every module's forward hooks set aside. Generation is inference; the hooks are training's: gradient
     checkpointing's on the input embedding (output.requires_grad_(True), which torch 2.11's compiler refuses inside
     the one-graph decode, and which would make every decode step build autograd state), FSDP2's unshard/reshard on
-    each unit (batching.gathered has unsharded the weights for the whole rollout; a CUDA graph would capture their
+    each unit (dist.gathered has unsharded the weights for the whole rollout; a CUDA graph would capture their
     stream waits). A hook a user registers for training is set aside too."""
     was_training, saved = model.training, [(m, m._forward_pre_hooks, m._forward_hooks) for m in model.modules()]
     for m, pre, post in saved:
