@@ -16,9 +16,9 @@ GEMMs with the work around it in the same launch:
 M is one tile, so each weight is read once; where there are too few output tiles to pull HBM, K is split and the
 split that arrives last sums the partials in split order (the same bits whatever the timing). decode_linear_torch
 is the same function in the model's own ops and roundings; nanogrpo::decode_linear is either as a torch op that
-torch.compile keeps inside the one-graph decode. Opt-in: on an H200 its down_proj matches cuBLAS, but q|k|v (one
-program a head) and gate|up (the sum of squares in the K loop) are slower, and a step with it is 1.4-2x slower
-(BENCHMARKS, "The decode-floor levers"; issue 20).
+torch.compile keeps inside the one-graph decode. Opt-in: on an H200 its down_proj matches cuBLAS, but q|k|v
+(measured with one program a head) and gate|up (the sum of squares in the K loop) are slower, and a step with it
+is 1.4-2x slower (BENCHMARKS, "The decode-floor levers"; issue 20).
 """
 from typing import List, Optional
 
@@ -143,7 +143,7 @@ GEMM_WAVES = 4  # few-row GEMMs (<= 32): split K until there are ~this many prog
 def linear_config(M, N, K, pair, device, block_n=None, n_tiles=None):
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps) for a decode GEMM of N outputs (pair: two W tiles
     a step, GLU or RoPE): one m tile up to 128 rows (W is read once), BLOCK_N columns (block_n; n_tiles programs
-    along N if given: RoPE's one a head), K split in whole BLOCK_K steps while the grid is under GEMM_WAVES x the
+    along N if given: RoPE's N / (2 BLOCK_N)), K split in whole BLOCK_K steps while the grid is under GEMM_WAVES x the
     SMs (one wave, at most 2 splits, from 64 rows: the partials grow with the rows). The rest is what
     `bench_rollout.py gemms sweep` found best on an H200 (1.5B shape; at 8 and 32 rows within 10% of the best of
     44-72 tiles, at or past cuBLAS's bandwidth on gate|up and down): few rows want small tiles, many programs
