@@ -266,7 +266,7 @@ def bench_gemms(sweep=False):
                     g = torch.ones(K, device=DEV, dtype=dt) if kind.get("norm") else None
                     res = torch.randn(M, N, device=DEV, dtype=dt) if kind.get("residual") else None
                     rope = (torch.arange(M, device=DEV), 1e6 ** -(torch.arange(0, D, 2, device=DEV) / D), 1.0, nq, nk,
-                            None, 1e-6) if kind.get("rope") else None  # (BLOCK_N = D/2 whatever a config says)
+                            None, 1e-6) if kind.get("rope") else None  # (no q/k norms: BLOCK_N may split a half)
                     eps = None if g is None else 1e-6  # (g = 1: W with it folded in is W)
                     run = lambda cfg, w=w: decode_gemm.decode_linear_triton(x, w, None, eps, res, glu, rope,  # noqa
                                                                                config=cfg)
@@ -278,17 +278,16 @@ def bench_gemms(sweep=False):
                     line += f" {tt:>9.1f} {ideal / tt:>5.2f} {str(cfg):>25} {err:>7.1e}"
                     if sweep and CUDA:
                         best = (tt, cfg)
-                        BM = cfg[0]
-                        for BN in (16, 32, D // 2) if rope else (32, 64, 128):
-                            for split in (1, 2, 4, 8) if N <= 4 * h else (1, 2):  # (gate|up: enough tiles)
-                                for stages in (2, 4):
-                                    for warps in (4, 8) if BM >= 64 else (4,):
-                                        BK = 128
-                                        if (BM + BN * (2 if pair else 1)) * BK * 2 * stages > 220 * 1024 or \
-                                                triton.cdiv(K, BK) < 2 * split:  # (smem; >= 2 K steps a split)
-                                            continue
-                                        trial = (BM, BN, BK, split, stages, warps)
-                                        best = min(best, (us(lambda: run(trial, next(copies))), trial))
+                        BM, BK = cfg[0], cfg[2]
+                        for BN, split, stages, warps in itertools.product(
+                                (16, 32, D // 2) if rope else (32, 64, 128),
+                                (1, 2, 4, 8) if N <= 4 * h else (1, 2),  # (gate|up: enough tiles without a split)
+                                (2, 4), (4, 8) if BM >= 64 else (4,)):
+                            if (BM + BN * (2 if pair else 1)) * BK * 2 * stages > 220 * 1024 or \
+                                    triton.cdiv(K, BK) < 2 * split:  # (shared memory; >= 2 K steps a split)
+                                continue
+                            trial = (BM, BN, BK, split, stages, warps)
+                            best = min(best, (us(lambda: run(trial, next(copies))), trial))
                         line += f" | {best[0]:>7.1f} {ideal / best[0]:>5.2f} {str(best[1]):>25}"
                 print(line, flush=True)
 

@@ -417,8 +417,9 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         forward_fn = decode_forward if fused is not None else model_forward
         gemm = "triton" if DECODE_GEMM == "triton" and fused is not None and triton_gemms_fit(model, fused, dev) \
             else "torch"
-        rope = epilogue_rope(model, dev) if gemm == "triton" else None
-        if gemm == "triton":  # decode_linear reads W with the RMSNorm's weight in its columns (decode_gemm.fold_norm)
+        rope = None
+        if gemm == "triton":  # RoPE in q|k|v's epilogue where it can; W with the RMSNorm's weight in its columns
+            rope = epilogue_rope(model, dev)
             fused = [(fold_norm(w_qkv, layer.input_layernorm.weight), b_qkv,
                       fold_norm(w_gu, layer.post_attention_layernorm.weight), b_gu, *rest)
                      for layer, (w_qkv, b_qkv, w_gu, b_gu, *rest) in zip(model.model.layers, fused)]
