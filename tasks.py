@@ -84,8 +84,8 @@ def safe_eval(expr):
 # that broke through learned was an order: "1 - 6 = -5. The answer is -5." Writing the equation first puts the
 # operands right before the digit the model must produce, and the runs that wrote the answer first and explained
 # after ("The answer is 1. ... 1 - 6 = ...") stayed stuck. So the line asks for that order: held-out greedy >= 0.90
-# within 5 minutes came in 9 of 11 H100 runs of the default config with it (`bash run.sh`'s own included: 0.92 at
-# 1.5 minutes; 4 of 7 with 8 completions a prompt), against 2 of 28 runs (at any time) with "..., for example: The
+# within 5 minutes came in 9 of 10 solo runs over seeds of the default config with it (H200; 9 of 11 on an H100,
+# several at once; 4 of 7 with 8 completions a prompt), against 2 of 28 runs (at any time) with "..., for example: The
 # answer is 12 or The answer is -3." (README). The untrained model mostly copies the example (held-out greedy 0.03;
 # with the answer-only line: 0.15).
 ARITHMETIC_FORMAT = ("Write the equation with its result, then end your reply with: The answer is NUMBER. "
