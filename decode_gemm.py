@@ -36,12 +36,14 @@ def _decode_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr
                           NORM: tl.constexpr, GLU: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                           ROPE: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr,
                           SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr, USE_GDC: tl.constexpr):
+                          PRECISION: tl.constexpr, USE_GDC: tl.constexpr, PREFETCH: tl.constexpr):
     """program (n tile, m tile, k split): y[m, n] = epilogue(sum over the split's K range of x[m, k] W[n, k]).
     NORM (RMSNorm folded in): sum_k (x_k r g_k) W_nk = r sum_k x_k (g_k W_nk) with r = rsqrt(mean_k x_k^2 + eps):
-    W arrives with g folded into its columns (fold_norm), the dot takes x as loaded, the row scale r multiplies the
-    accumulator, and sum x^2 rides along the same x loads. (Multiplying x by g in the loop instead cost the K loop
-    ~40% of its bandwidth on an H200: x went through registers before every dot.)
+    W arrives with g folded into its columns (fold_norm), the dot takes x as loaded, and the row scale r multiplies
+    the accumulator. sum_k x_k^2 is the diagonal of x x^T, a second small dot on the same x tile: x stays in shared
+    memory, as the pipelined loop loads it. (Any elementwise work on x in the loop takes it through registers before
+    every dot and cost the K loop bandwidth on an H200: x * g ~40%, tl.sum(x * x) ~30%; summing x^2 in the epilogue
+    instead costs its K / BLOCK_K round trips to L2 on the critical path: 3x slower q|k|v.)
     GLU: W is [gate; up] (2N, K), y = silu(a_gate) * a_up (the two rows of a pair in the same program).
     RESIDUAL: y = r + a. ROPE (q|k|v, HALF = head_dim / 2): a head's two halves are the pair, BLOCK_N columns of
     each (HALF / BLOCK_N programs a head: one head alone is too few programs to pull HBM); q and k heads (< NQK)
@@ -51,7 +53,12 @@ def _decode_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr
     RMSNorm (weights qkn: [q_norm; k_norm]).
     v heads pass through. SPLIT_K > 1 (few output tiles, long K: more programs to pull HBM): each split stores its
     float32 partial sums and bumps the tile's counter; the split that arrives last sums the partials in split order
-    (the same bits whichever arrives last), runs the epilogue and resets the counter for the next launch."""
+    (the same bits whichever arrives last), runs the epilogue and resets the counter for the next launch.
+    USE_GDC (PDL): the program may start while the kernel before it still runs; W does not depend on that kernel, so
+    with PREFETCH the program first asks for its W slice into L2 (prefetch.global.L2, one per 128-byte line), then
+    waits."""
+    if USE_GDC and PREFETCH:
+        _prefetch_weights(w_ptr, stride_wn, N, K, K_PER, HALF, GLU or ROPE, ROPE, BLOCK_N, BLOCK_K)
     _wait_for_previous_kernel(USE_GDC)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -62,21 +69,22 @@ def _decode_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr
     m_ok, n_ok = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # (GLU, ROPE only) the pair's second row
-    ss = tl.zeros((BLOCK_M,), tl.float32)  # (NORM only) sum of x^2 over this split's K range
+    xx = tl.zeros((BLOCK_M, BLOCK_M), tl.float32)  # (NORM only) x x^T over this split's K range: diagonal sum x^2
     for k0 in range(pid_k * K_PER, tl.minimum(pid_k * K_PER + K_PER, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.)  # (BLOCK_M, BLOCK_K)
-        if NORM:
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, 1)
         w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]  # W^T's tile (BLOCK_K, BLOCK_N)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        if NORM:
+            xx = tl.dot(x, tl.trans(x), xx, input_precision=PRECISION)
         if GLU or ROPE:
             w_up = tl.load(w_ptrs + HI * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.)
             acc_up = tl.dot(x, w_up, acc_up, input_precision=PRECISION)
+    offs_i = tl.arange(0, BLOCK_M)
+    ss = tl.sum(tl.where(offs_i[:, None] == offs_i[None, :], xx, 0.), 1)  # (BLOCK_M,) the diagonal
     last = True
     if SPLIT_K > 1:  # partials (tiles, SPLIT_K, BLOCK_M, 2 BLOCK_N + 1): [acc | acc_up | ss]
         tile = pid_m * tl.num_programs(0) + pid_n
@@ -135,8 +143,31 @@ def _decode_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _prefetch_weights(w_ptr, stride_wn, N, K, K_PER, HALF, PAIR: tl.constexpr, ROPE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """ask L2 for the W lines this program's K loop will read (its BLOCK_N rows, and the pair's, over its split's K
+    range), one prefetch per 128-byte line (64 bf16), without waiting for them"""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(2)
+    if ROPE:
+        offs_n = (pid_n // (HALF // BLOCK_N)) * 2 * HALF + (pid_n % (HALF // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.minimum(offs_n, N - 1)  # (an address past W would be a fault, not a no-op)
+    HI = HALF if ROPE else N
+    LINES: tl.constexpr = BLOCK_K // 64
+    for k0 in range(pid_k * K_PER, tl.minimum(pid_k * K_PER + K_PER, K), BLOCK_K):
+        offs_k = tl.minimum(k0 + tl.arange(0, LINES) * 64, K - 1)
+        ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # (BLOCK_N, LINES): a line's first element
+        for p in tl.static_range(2 if PAIR else 1):
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs + p * HI * stride_wn],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
 GEMM_BLOCK_K = 128  # reduction step; a stage holds BLOCK_M x BLOCK_K of x and BLOCK_N x BLOCK_K of W (twice: a pair)
 ROPE_BLOCK_N = 32  # q|k|v with RoPE: columns of each head half a program (all D/2 with q/k norms: they need the head)
+PREFETCH_BYTES = 16 * 2**20  # under PDL, a W up to this size is prefetched into L2 (50 MB) before the wait: on an
+#                              H200 o_proj's 4.7 MB went 5.7 -> 4.8 us a call, gate|up's 55 MB 19.3 -> 24.9 (thrashed)
 GEMM_WAVES = 4  # few-row GEMMs (<= 32): split K until there are ~this many programs per SM (o_proj, down_proj)
 
 
@@ -157,6 +188,7 @@ def linear_config(M, N, K, pair, device, block_n=None, n_tiles=None):
     while tiles * split * 2 <= waves * sms and triton.cdiv(K, BK) >= 4 * split and split < max_split:
         split *= 2  # (>= 2 K steps a split)
     stages = (3 if pair else 5) if few else (2 if pair else 4)
+    stages = min(stages, 200 * 1024 // ((BM + (2 if pair else 1) * BN) * BK * 2))  # x and W tiles: in shared memory
     warps = (4 if BN >= 64 else 2) if few else (8 if pair else 4)  # (RoPE: a whole head half, 64 columns)
     return BM, BN, BK, split, stages, warps
 
@@ -203,7 +235,8 @@ def decode_linear_triton(x, w, b=None, norm_eps=None, residual=None, glu=False, 
         NORM=norm_eps is not None, GLU=glu, BIAS=b is not None, RESIDUAL=residual is not None, ROPE=rope is not None,
         QK_NORM=qkn is not None, HALF=freq.numel() if rope is not None else BN, SPLIT_K=split,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages, **pdl_launch(x.device))
+        PREFETCH=w.numel() * w.element_size() <= PREFETCH_BYTES, num_warps=warps, num_stages=stages,
+        **pdl_launch(x.device))
     return y
 
 

@@ -709,10 +709,11 @@ def _decode_linear_for_hopper():
              ("M", "eps", "NQ", "NQK", "rope_scale", "qk_eps")}
     for name, flags in layer.items():
         for M, split in ((8, 1), (128, 1)) + (((8, 4),) if flags.get("RESIDUAL") else ()):  # (split K: o, down)
-            BM, BN, BK, _, stages, warps = decode_gemm.linear_config(M, 1536, 8960, flags.get("GLU", False),
-                                                                  torch.device("cpu"))
+            pair = flags.get("GLU", False) or flags.get("ROPE", False)
+            BM, BN, BK, _, stages, warps = decode_gemm.linear_config(M, 1536, 8960, pair, torch.device("cpu"),
+                                                                  64 if "QK_NORM" in flags else None)
             const = {**dict(NORM=False, GLU=False, BIAS=False, RESIDUAL=False, ROPE=False, QK_NORM=False), **flags,
-                     **dict(SPLIT_K=split, BLOCK_M=BM, BLOCK_K=BK, PRECISION="tf32", USE_GDC=True,  # (PDL)
+                     **dict(SPLIT_K=split, BLOCK_M=BM, BLOCK_K=BK, PRECISION="tf32", USE_GDC=True, PREFETCH=True,
                             BLOCK_N=64 if "QK_NORM" in flags else 32 if "ROPE" in flags else BN,  # (head_dim 128:
                             HALF=64 if "ROPE" in flags else BN)}  # the q/k norms' whole half, or 2 programs)
             src = ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}}, constexprs=const,
@@ -723,6 +724,7 @@ def _decode_linear_for_hopper():
             assert k.metadata.shared <= 227 * 1024, f"{what}: {k.metadata.shared} B of shared memory"
             assert "async_copy" in k.asm["ttgir"], f"{what}: the K loop is not pipelined"
             assert "griddepcontrol.wait" in k.asm["ptx"], f"{what}: no PDL wait"
+            assert "prefetch.global.L2" in k.asm["ptx"], f"{what}: W not prefetched before the PDL wait"
     fn = decode_kernels._decode_split_kernel  # the attention, its merge in the last split, under PDL
     types = dict(q_ptr="*bf16", knew_ptr="*bf16", vnew_ptr="*bf16", pk_ptr="*bf16", pv_ptr="*bf16", ck_ptr="*bf16",
                  cv_ptr="*bf16", rows_ptr="*i64", done_ptr="*i1", start_ptr="*i32", slot_ptr="*i64", o_ptr="*fp32",
@@ -741,9 +743,9 @@ def test_rollout_decode_linear_compiles_for_hopper():
     """the interpreter runs decode_linear's Python, not its lowering: compiled ahead of time for sm_90 (H100/H200;
     triton's own ptxas, no GPU), each of a layer's four GEMMs (q|k|v with RoPE and q/k norms) at 8 and 128 rows
     (o, down: also with split K) builds, fits the 227 KiB of shared memory, and its K loop is software-pipelined
-    (cp.async stages: what a memory-bound GEMM needs), and waits for the kernel before it under PDL; the attention
-    kernel with its merge in the last split builds under PDL too. The pointer/stride divisibility the JIT would
-    specialize on is given, as it is on a GPU."""
+    (cp.async stages: what a memory-bound GEMM needs), and under PDL prefetches its W, then waits for the kernel
+    before it; the attention kernel with its merge in the last split builds under PDL too. The pointer/stride
+    divisibility the JIT would specialize on is given, as it is on a GPU."""
     import subprocess
     res = subprocess.run([sys.executable, "-c", "import test_all; test_all._decode_linear_for_hopper()"],
                          cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
