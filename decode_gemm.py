@@ -165,7 +165,7 @@ def _prefetch_weights(w_ptr, stride_wn, N, K, K_PER, HALF, PAIR: tl.constexpr, R
 
 
 GEMM_BLOCK_K = 128  # reduction step; a stage holds BLOCK_M x BLOCK_K of x and BLOCK_N x BLOCK_K of W (twice: a pair)
-ROPE_BLOCK_N = 32  # q|k|v with RoPE: columns of each head half a program (all D/2 with q/k norms: they need the head)
+ROPE_BLOCK_N = 16  # q|k|v with RoPE: columns of each head half a program (all D/2 with q/k norms: they need the head)
 PREFETCH_BYTES = 16 * 2**20  # under PDL, a W up to this size is prefetched into L2 (50 MB) before the wait: on an
 #                              H200 o_proj's 4.7 MB went 5.7 -> 4.8 us a call, gate|up's 55 MB 19.3 -> 24.9 (thrashed)
 GEMM_WAVES = 4  # few-row GEMMs (<= 32): split K until there are ~this many programs per SM (o_proj, down_proj)
@@ -175,21 +175,26 @@ def linear_config(M, N, K, pair, device, block_n=None, n_tiles=None):
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps) for a decode GEMM of N outputs (pair: two W tiles
     a step, GLU or RoPE): one m tile up to 128 rows (W is read once), BLOCK_N columns (block_n; n_tiles programs
     along N if given: RoPE's N / (2 BLOCK_N)), K split in whole BLOCK_K steps while the grid is under GEMM_WAVES x the
-    SMs (one wave, at most 2 splits, from 64 rows: the partials grow with the rows). The rest is what
-    `bench_rollout.py gemms sweep` found best on an H200 (1.5B shape; at 8 and 32 rows within 10% of the best of
-    44-72 tiles, at or past cuBLAS's bandwidth on gate|up and down): few rows want small tiles, many programs
-    (2 warps each) and deep pipelines; 64-128 rows want 4-8 warps (a 128-row x tile and two accumulators)."""
+    SMs (<= 32 rows; 2 waves and at most 2 splits from 64 rows: the partials grow with the rows) and each split keeps
+    >= 2 steps (a pair) or >= 8 (o_proj's 12 steps ran fastest unsplit, down_proj's 70 in 4). The rest is what
+    `bench_rollout.py gemms sweep` and a wider time-boxed grid found on an H200 (1.5B shape, 8 / 32 / 128 rows):
+    small tiles and many programs (2 warps) for few rows, deep pipelines; from 64 rows 16 columns and 8 warps for a
+    short K (o_proj: 7.5 us against 11.6 with 32) and 32 columns, 4 stages, 4 warps for a long one (down_proj: 27
+    against 34), gate|up's 64 x 64 tiles unsplit, 5 stages, 8 warps (42 us against 74) and q|k|v's 4 warps."""
     BM, BK = min(128, max(16, triton.next_power_of_2(M))), GEMM_BLOCK_K
     few = BM <= 32
-    BN = block_n or (32 if pair or not few else 16)
+    short = triton.cdiv(K, BK) <= 16
+    BN = block_n or ((32 if pair else 16) if few else (64 if pair else 16 if short else 32))
+    BK = BK if few or not pair or block_n else 64  # (gate|up from 64 rows: 64 x 64 tiles)
     tiles = (n_tiles or triton.cdiv(N, BN)) * triton.cdiv(M, BM)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    split, waves, max_split = 1, (GEMM_WAVES if few else 1), (8 if few else 2)
-    while tiles * split * 2 <= waves * sms and triton.cdiv(K, BK) >= 4 * split and split < max_split:
-        split *= 2  # (>= 2 K steps a split)
-    stages = (3 if pair else 5) if few else (2 if pair else 4)
+    split, waves, min_steps = 1, (GEMM_WAVES if few else 2), (2 if pair else 8)
+    max_split = 8 if few else 1 if pair and not block_n else 2
+    while tiles * split * 2 <= waves * sms and triton.cdiv(K, BK) >= 2 * min_steps * split and split < max_split:
+        split *= 2
+    stages = (3 if pair else 5) if few else (5 if pair or short else 4)
     stages = min(stages, 200 * 1024 // ((BM + (2 if pair else 1) * BN) * BK * 2))  # x and W tiles: in shared memory
-    warps = (4 if BN >= 64 else 2) if few else (8 if pair else 4)  # (RoPE: a whole head half, 64 columns)
+    warps = (4 if BN >= 64 else 2) if few else (4 if BN == 32 or pair and BN <= 32 else 8)  # (few: RoPE's 64 cols)
     return BM, BN, BK, split, stages, warps
 
 

@@ -714,8 +714,8 @@ def _decode_linear_for_hopper():
                                                                   64 if "QK_NORM" in flags else None)
             const = {**dict(NORM=False, GLU=False, BIAS=False, RESIDUAL=False, ROPE=False, QK_NORM=False), **flags,
                      **dict(SPLIT_K=split, BLOCK_M=BM, BLOCK_K=BK, PRECISION="tf32", USE_GDC=True, PREFETCH=True,
-                            BLOCK_N=64 if "QK_NORM" in flags else 32 if "ROPE" in flags else BN,  # (head_dim 128:
-                            HALF=64 if "ROPE" in flags else BN)}  # the q/k norms' whole half, or 2 programs)
+                            BLOCK_N=64 if "QK_NORM" in flags else 16 if "ROPE" in flags else BN,  # (head_dim 128:
+                            HALF=64 if "ROPE" in flags else BN)}  # the q/k norms' whole half, or 4 programs)
             src = ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}}, constexprs=const,
                             attrs=attrs)
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps,
