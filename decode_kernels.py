@@ -30,8 +30,9 @@ SPLIT_WAVES = 2  # key splits: enough (slot, K/V head, split) programs to fill t
 MERGE_IN_SPLIT = False  # the last split of each (slot, K/V head) merges (no merge kernel). Off: on an H200 at 8 rows
 #                        the split kernel then took 23 us against 7 + 1.5 (many splits, one merger; BENCHMARKS)
 PDL = False  # Hopper's programmatic dependent launch for these kernels and decode_gemm's: each may be launched while
-#              the kernel before it runs, and waits (griddepcontrol.wait) before it reads anything. Off: measured
-#              0.45 ms a step slower at 8 rows (the wait comes before any load, so only the launch overlaps)
+#              the kernel before it runs, and waits (griddepcontrol.wait) before it reads anything but W (a W up to
+#              decode_gemm.PREFETCH_BYTES is prefetched into L2 first). Off: on an H200, 1.5B, triton GEMMs, it gained
+#              1-4% at 8-16 rows and lost 10% at 32 (the early programs hold SM slots the kernel before needs)
 
 
 def pdl_launch(device):
