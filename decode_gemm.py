@@ -58,15 +58,16 @@ def _decode_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr
     USE_GDC (PDL): the program may start while the kernel before it still runs; W does not depend on that kernel, so
     with PREFETCH the program first asks for its W slice into L2 (prefetch.global.L2, one per 128-byte line), then
     waits."""
-    if USE_GDC and PREFETCH:
-        _prefetch_weights(w_ptr, stride_wn, N, K, K_PER, HALF, GLU or ROPE, ROPE, BLOCK_N, BLOCK_K)
-    _wait_for_previous_kernel(USE_GDC)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     head, sub = pid_n // (HALF // BLOCK_N), pid_n % (HALF // BLOCK_N)  # (ROPE only)
     offs_d = sub * BLOCK_N + tl.arange(0, BLOCK_N)  # (ROPE only) the columns' frequency index in the head half
     offs_n = (head * 2 * HALF + offs_d) if ROPE else pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     HI = HALF if ROPE else N  # the pair's second row: up (GLU) or the head's second half (ROPE)
+    if USE_GDC and PREFETCH:  # (before the wait: W does not depend on the kernel before)
+        _prefetch_weights(w_ptr + tl.minimum(offs_n, N - 1) * stride_wn, HI * stride_wn, GLU or ROPE,
+                          pid_k * K_PER, tl.minimum(pid_k * K_PER + K_PER, K), K, BLOCK_K)
+    _wait_for_previous_kernel(USE_GDC)
     m_ok, n_ok = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # (GLU, ROPE only) the pair's second row
@@ -145,23 +146,15 @@ def _decode_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr
 
 
 @triton.jit
-def _prefetch_weights(w_ptr, stride_wn, N, K, K_PER, HALF, PAIR: tl.constexpr, ROPE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """ask L2 for the W lines this program's K loop will read (its BLOCK_N rows, and the pair's, over its split's K
-    range), one prefetch per 128-byte line (64 bf16), without waiting for them"""
-    pid_n, pid_k = tl.program_id(0), tl.program_id(2)
-    if ROPE:
-        offs_n = (pid_n // (HALF // BLOCK_N)) * 2 * HALF + (pid_n % (HALF // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = tl.minimum(offs_n, N - 1)  # (an address past W would be a fault, not a no-op)
-    HI = HALF if ROPE else N
+def _prefetch_weights(row_ptrs, pair_offset, PAIR: tl.constexpr, k_start, k_end, K, BLOCK_K: tl.constexpr):
+    """ask L2 for the W lines a program's K loop will read, without waiting for them: its rows (row_ptrs, (BLOCK_N,);
+    clamped into W: an address past it would be a fault, not a no-op) and the pair's (+ pair_offset) over
+    [k_start, k_end), one prefetch per 128-byte line (64 bf16)"""
     LINES: tl.constexpr = BLOCK_K // 64
-    for k0 in range(pid_k * K_PER, tl.minimum(pid_k * K_PER + K_PER, K), BLOCK_K):
-        offs_k = tl.minimum(k0 + tl.arange(0, LINES) * 64, K - 1)
-        ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # (BLOCK_N, LINES): a line's first element
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ptrs = row_ptrs[:, None] + tl.minimum(k0 + tl.arange(0, LINES) * 64, K - 1)[None, :]  # (BLOCK_N, LINES)
         for p in tl.static_range(2 if PAIR else 1):
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs + p * HI * stride_wn],
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs + p * pair_offset],
                                       dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -183,19 +176,24 @@ def linear_config(M, N, K, pair, device, block_n=None, n_tiles=None):
     short K (o_proj: 7.5 us against 11.6 with 32) and 32 columns, 4 stages, 4 warps for a long one (down_proj: 27
     against 34), gate|up's 64 x 64 tiles unsplit, 5 stages, 8 warps (42 us against 74) and q|k|v's 4 warps."""
     BM, BK = min(128, max(16, triton.next_power_of_2(M))), GEMM_BLOCK_K
-    few = BM <= 32
-    short = triton.cdiv(K, BK) <= 16
-    BN = block_n or ((32 if pair else 16) if few else (64 if pair else 16 if short else 32))
-    BK = BK if few or not pair or block_n else 64  # (gate|up from 64 rows: 64 x 64 tiles)
+    if BM <= 32:  # few rows: many small programs
+        BN = block_n or (32 if pair else 16)
+        waves, max_split = GEMM_WAVES, 8
+        stages, warps = (3 if pair else 5), (4 if BN >= 64 else 2)  # (4 warps: RoPE's whole head half, 64 columns)
+    elif pair and not block_n:  # gate|up from 64 rows: 64 x 64 tiles, unsplit
+        BN, BK, waves, max_split, stages, warps = 64, 64, 2, 1, 5, 8
+    elif pair:  # q|k|v (RoPE's block_n) from 64 rows
+        BN, waves, max_split, stages, warps = block_n, 2, 2, 5, (4 if block_n <= 32 else 8)
+    elif triton.cdiv(K, BK) <= 16:  # o_proj from 64 rows (a short K)
+        BN, waves, max_split, stages, warps = 16, 2, 2, 5, 8
+    else:  # down_proj from 64 rows (a long K)
+        BN, waves, max_split, stages, warps = 32, 2, 2, 4, 4
     tiles = (n_tiles or triton.cdiv(N, BN)) * triton.cdiv(M, BM)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    split, waves, min_steps = 1, (GEMM_WAVES if few else 2), (2 if pair else 8)
-    max_split = 8 if few else 1 if pair and not block_n else 2
+    split, min_steps = 1, (2 if pair else 8)
     while tiles * split * 2 <= waves * sms and triton.cdiv(K, BK) >= 2 * min_steps * split and split < max_split:
         split *= 2
-    stages = (3 if pair else 5) if few else (5 if pair or short else 4)
     stages = min(stages, 200 * 1024 // ((BM + (2 if pair else 1) * BN) * BK * 2))  # x and W tiles: in shared memory
-    warps = (4 if BN >= 64 else 2) if few else (4 if BN == 32 or pair and BN <= 32 else 8)  # (few: RoPE's 64 cols)
     return BM, BN, BK, split, stages, warps
 
 
