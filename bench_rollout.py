@@ -315,7 +315,7 @@ def bench_layer(shape="1.5B", row_counts=(128, 64, 32, 16, 8), P=64, t=512):
     D, dt, bw = H // nq, torch.bfloat16 if CUDA else torch.float32, spec_bandwidth() or copy_bandwidth() or math.nan
     print(f"one decode layer ({shape if CUDA else 'tiny'}), P={P}, t={t}; bytes = (W + K/V) / {bw / 1e12:.2f} TB/s; "
           f"programs {decode_layer.PROGRAMS_PER_SM}/SM, warps {decode_layer.NUM_WARPS}, stages "
-          f"{decode_layer.NUM_STAGES}")
+          f"{decode_layer.NUM_STAGES}, prefetch {decode_layer.PREFETCH}")
     print(f"{'rows':>5} | {'bytes us':>8} | {'5 launches':>10} {'frac':>5} | {'1 launch':>8} {'frac':>5} | "
           f"{'rel err':>7} {'timeouts':>8} | us a phase launched alone: q|k|v, attention, merge, o, gate|up, down")
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -343,7 +343,8 @@ def bench_layer(shape="1.5B", row_counts=(128, 64, 32, 16, 8), P=64, t=512):
             h1 = decode_gemm.decode_linear_triton(o, w_o, b_o, None, h)
             a = decode_gemm.decode_linear_triton(h1, w_gu, b_gu, 1e-6, None, True)
             return decode_gemm.decode_linear_triton(a, w_down, b_down, None, h1)
-        one = lambda w: decode_layer.decode_layer_triton(h, w, caches, st, rope, (1e-6, 1e-6))  # noqa: E731
+        one = lambda w: decode_layer.decode_layer_triton(  # noqa: E731 (the next call's W_qkv: the next layer's)
+            h, w, caches, st, rope, (1e-6, 1e-6), w_qkv_next=weights[w is weights[0]][0])
         w_bytes = sum(x.nbytes for x in weights[0] if x is not None)
         ideal = (w_bytes + 2 * M * nk * (P + t + 1) * D * 2) / bw * 1e6
         t5, t1 = us(lambda: five(next(copies))), us(lambda: one(next(copies)))

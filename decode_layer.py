@@ -30,16 +30,20 @@ import torch
 import triton
 import triton.language as tl
 
-from decode_gemm import GEMM_BLOCK_K, ROPE_BLOCK_N, _linear_tile, decode_linear_torch
+from decode_gemm import (GEMM_BLOCK_K, ROPE_BLOCK_N, _linear_tile, _prefetch_weights, _tile_rows,
+                         decode_linear_torch)
 from decode_kernels import BLOCK_N as ATTN_BLOCK_N, _attend_split, _merge_splits, counters, decode_attention_torch
 
 PROGRAMS_PER_SM = 1  # persistent programs an SM (capped by what fits: registers, shared memory)
 NUM_WARPS, NUM_STAGES = 4, 4  # the persistent kernel's launch (one for every phase)
 BLOCK_N, BLOCK_N_PAIR = 16, 16  # a GEMM item's columns: o, down; gate|up (twice: gate and up)
-ITEMS_PER_PROGRAM = 4  # a GEMM phase splits K until it has about this many items a program (its last wave is a
-#                        fraction of the phase: the finer the items the smaller that tail)
+ROUNDS = 1  # a GEMM phase's items: at most this many a program (a program's items run one after another)
 MAX_SPINS = 1 << 20  # a barrier gives up after this many polls (~1 s) and flags it (SYNC[2]): a wrong residency
 #                      count must fail loudly, not hang the GPU
+PREFETCH = True  # ask L2 for a later phase's W while a phase waits on latency, not bandwidth (GPU only): W_o at
+#                  q|k|v, the first PREFETCH_STEPS K steps of gate|up's items at the attention, of down's after
+#                  gate|up, and the next layer's W_qkv after down (its launch then starts from L2)
+PREFETCH_STEPS = 4
 SYNC = {}  # device -> int32 [barrier arrivals, programs done, timed-out barriers] (0 between launches)
 
 
@@ -60,12 +64,25 @@ def _grid_barrier(sync_ptr, target, MAX_SPINS: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_items(w_ptr, pid, programs, TILES, SPLIT, K_PER, N, K, stride_wn, PAIR: tl.constexpr,
+                    ROPE: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS):
+    """prefetch into L2 the first STEPS K steps of W of this program's items of a GEMM phase (the first m tile's:
+    every m tile reads the same W)"""
+    for i in range(pid, TILES * SPLIT, programs):
+        k0 = (i % SPLIT) * K_PER
+        rows = _tile_rows((i // SPLIT) % TILES, N, ROPE, HALF, BLOCK_N)
+        _prefetch_weights(w_ptr + tl.minimum(rows, N - 1) * stride_wn, (HALF if ROPE else N) * stride_wn, PAIR, k0,
+                          tl.minimum(k0 + tl.minimum(K_PER, STEPS * BLOCK_K), K), K, BLOCK_K)
+
+
+@triton.jit
 def _decode_layer_kernel(h_ptr, qkv_ptr, o_ptr, h1_ptr, a_ptr, out_ptr,  # activations (n, *) in the model's dtype
                          wqkv_ptr, bqkv_ptr, wo_ptr, bo_ptr, wgu_ptr, bgu_ptr, wd_ptr, bd_ptr,  # W (N, K), b (N,)
+                         wqkv_next_ptr,  # the next layer's W_qkv (PREFETCH)
                          pos_ptr, freq_ptr, qkn_ptr,  # RoPE: positions (n,), inv_freq (D/2,), [q_norm; k_norm] (2D,)
                          pk_ptr, pv_ptr, ck_ptr, cv_ptr, rows_ptr, done_ptr, start_ptr, slot_ptr,  # decode state
                          att_o_ptr, lse_ptr, part_ptr, count_ptr, sync_ptr,  # scratch: splits, partials, counters
-                         M, H, I, NQKV, NQ, NK, G, P, eps_attn, eps_mlp, rope_scale, qk_eps, qk_scale,
+                         M, H, I, NQKV, NQ, NK, G, P, eps_attn, eps_mlp, rope_scale, qk_eps, qk_scale, PF_STEPS,
                          QKV_TILES, QKV_KPER, O_TILES, O_KPER, GU_TILES, GU_KPER, D_TILES, D_KPER, M_TILES,
                          stride_pb, stride_ph, stride_pl, stride_cn, stride_ch, stride_cl,
                          QKV_BIAS: tl.constexpr, O_BIAS: tl.constexpr, GU_BIAS: tl.constexpr, D_BIAS: tl.constexpr,
@@ -74,6 +91,7 @@ def _decode_layer_kernel(h_ptr, qkv_ptr, o_ptr, h1_ptr, a_ptr, out_ptr,  # activ
                          O_SPLIT: tl.constexpr, O_BN: tl.constexpr, GU_SPLIT: tl.constexpr, GU_BN: tl.constexpr,
                          D_SPLIT: tl.constexpr, D_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                          ATT_BLOCK: tl.constexpr, PRECISION: tl.constexpr, MAX_SPINS: tl.constexpr,
+                         PREFETCH: tl.constexpr,
                          FIRST: tl.constexpr, LAST: tl.constexpr):
     """phases FIRST..LAST-1 of the layer (module docstring), a grid barrier between two phases. Item i of a GEMM
     phase: K split i % SPLIT of tile i // SPLIT (n tile t % TILES, m tile t // TILES), so a tile's splits run at
@@ -82,6 +100,9 @@ def _decode_layer_kernel(h_ptr, qkv_ptr, o_ptr, h1_ptr, a_ptr, out_ptr,  # activ
     HALF: tl.constexpr = D // 2
     barriers = 0
     if (FIRST <= 0) and (LAST > 0):  # q|k|v = RoPE(RMSNorm(h) W_qkv^T + b): x stays h, y the (n, NQKV) buffer
+        if PREFETCH:  # W_o, for phase 3 (the next phases wait on latency: HBM has time)
+            _prefetch_items(wo_ptr, pid, programs, O_TILES, O_SPLIT, O_KPER, H, NQ * D, NQ * D, False, False, O_BN,
+                            O_BN, BLOCK_K, O_KPER // BLOCK_K)
         for i in range(pid, QKV_TILES * M_TILES * QKV_SPLIT, programs):
             t = i // QKV_SPLIT
             _linear_tile(h_ptr, wqkv_ptr, bqkv_ptr, h_ptr, qkv_ptr, part_ptr, count_ptr, pos_ptr, freq_ptr, qkn_ptr,
@@ -92,6 +113,9 @@ def _decode_layer_kernel(h_ptr, qkv_ptr, o_ptr, h1_ptr, a_ptr, out_ptr,  # activ
         barriers += 1
         _grid_barrier(sync_ptr, barriers * programs, MAX_SPINS)
     if (FIRST <= 1) and (LAST > 1):  # attention: q, k_new, v_new are views of the q|k|v rows
+        if PREFETCH:  # the start of gate|up's items
+            _prefetch_items(wgu_ptr, pid, programs, GU_TILES, GU_SPLIT, GU_KPER, I, H, H, True, False, GU_BN, GU_BN,
+                            BLOCK_K, PF_STEPS)
         for i in range(pid, M * NK * ATT_SPLITS, programs):
             r = i // ATT_SPLITS
             _attend_split(qkv_ptr, qkv_ptr + NQ * D, qkv_ptr + (NQ + NK) * D, pk_ptr, pv_ptr, ck_ptr, cv_ptr,
@@ -125,6 +149,9 @@ def _decode_layer_kernel(h_ptr, qkv_ptr, o_ptr, h1_ptr, a_ptr, out_ptr,  # activ
                          t % GU_TILES, t // GU_TILES, i % GU_SPLIT, t, M, I, H, GU_KPER, eps_mlp, 0, 0, 1., 0.,
                          H, H, 0, I, True, True, GU_BIAS, False, False, False, GU_BN, GU_SPLIT, BLOCK_M, GU_BN,
                          BLOCK_K, PRECISION)
+        if PREFETCH:  # the start of down's items, while the slowest gate|up items finish
+            _prefetch_items(wd_ptr, pid, programs, D_TILES, D_SPLIT, D_KPER, H, I, I, False, False, D_BN, D_BN,
+                            BLOCK_K, PF_STEPS)
     if (FIRST <= 4) and (LAST > 5):
         barriers += 1
         _grid_barrier(sync_ptr, barriers * programs, MAX_SPINS)
@@ -135,18 +162,25 @@ def _decode_layer_kernel(h_ptr, qkv_ptr, o_ptr, h1_ptr, a_ptr, out_ptr,  # activ
                          t % D_TILES, t // D_TILES, i % D_SPLIT, t, M, H, I, D_KPER, 0., 0, 0, 1., 0.,
                          I, I, H, H, False, False, D_BIAS, True, False, False, D_BN, D_SPLIT, BLOCK_M, D_BN,
                          BLOCK_K, PRECISION)
+        if PREFETCH:  # the next layer's W_qkv: its launch starts from L2
+            _prefetch_items(wqkv_next_ptr, pid, programs, QKV_TILES, QKV_SPLIT, QKV_KPER, NQKV, H, H, True, True,
+                            D // 2, QKV_BN, BLOCK_K, QKV_KPER // BLOCK_K)
     if barriers > 0:  # the last program out resets the barrier for the next launch (nobody polls it any more)
         if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel") == programs - 1:
             tl.atomic_xchg(sync_ptr, 0)
             tl.atomic_xchg(sync_ptr + 1, 0)
 
 
-def gemm_phase(M, N, K, pair, programs, block_n):
-    """(BLOCK_N, SPLIT, K_PER, n tiles) of a GEMM phase: block_n columns a tile (a pair: two W rows each), K split in
-    powers of two while the phase has under ITEMS_PER_PROGRAM items a program and each split keeps >= 2 steps"""
+def gemm_phase(M, N, K, pair, programs, block_n, rope=False):
+    """(BLOCK_N, SPLIT, K_PER, n tiles) of a GEMM phase, its items in one round (at most one a program: a second
+    round is a tail the phase waits for): block_n columns a tile (a pair: two W rows each), doubled while there are
+    more tiles than programs (not with RoPE: a tile is inside a head half), then K split in powers of two while
+    twice the items still fit and each split keeps >= 2 steps"""
+    while not rope and triton.cdiv(N, block_n) > programs and block_n < 128:
+        block_n *= 2
     tiles = triton.cdiv(N, block_n)
     split = 1
-    while tiles * split < ITEMS_PER_PROGRAM * programs and triton.cdiv(K, GEMM_BLOCK_K) >= 4 * split:
+    while tiles * split * 2 <= programs * ROUNDS and triton.cdiv(K, GEMM_BLOCK_K) >= 4 * split:
         split *= 2
     return block_n, split, triton.cdiv(triton.cdiv(K, split), GEMM_BLOCK_K) * GEMM_BLOCK_K, tiles
 
@@ -188,14 +222,14 @@ def sync_counters(device):
     return SYNC[key]
 
 
-def decode_layer_triton(h, w, caches, st, rope, eps, programs=None, phases=None):
+def decode_layer_triton(h, w, caches, st, rope, eps, programs=None, phases=None, w_qkv_next=None):
     """one layer of decode_forward in one launch (on the CPU, TRITON_INTERPRET: one launch a phase). h (n, H);
     w = (w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down) (the RMSNorms' weights folded into w_qkv and w_gu:
     decode_gemm.fold_norm); caches = (pk, pv, ck, cv); st: rows, done, start, slot (the decode state), G, pos (n,);
     rope = (inv_freq (D/2,), scale, n_q, n_kv, [q_norm; k_norm] (2D,) or None, its eps, attention scale);
     eps = (input norm's, post-attention norm's). Writes this step's K/V into ck/cv. -> (n, H). programs: the grid
     (default: what is resident); phases: the launches' [first, last) phase ranges (default: all in one; one a
-    launch in the interpreter)"""
+    launch in the interpreter); w_qkv_next: the next layer's W_qkv, prefetched into L2 at the end (PREFETCH)"""
     w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down = w
     pk, pv, ck, cv = caches
     inv_freq, rope_scale, nq, nk, qkn, qk_eps, scale = rope
@@ -211,7 +245,7 @@ def decode_layer_triton(h, w, caches, st, rope, eps, programs=None, phases=None)
     def launch(programs):  # the kernel's arguments and constants for a grid of this many programs
         S = attention_splits(M, nk, programs)
         qkv_bn = D // 2 if qkn is not None else min(D // 2, ROPE_BLOCK_N)  # (the q/k norms need the whole head)
-        phases = dict(QKV=gemm_phase(M, NQKV // 2, H, True, programs, qkv_bn),
+        phases = dict(QKV=gemm_phase(M, NQKV // 2, H, True, programs, qkv_bn, rope=True),
                       O=gemm_phase(M, H, nq * D, False, programs, BLOCK_N),
                       GU=gemm_phase(M, I, H, True, programs, BLOCK_N_PAIR),
                       D=gemm_phase(M, H, I, False, programs, BLOCK_N))
@@ -223,9 +257,10 @@ def decode_layer_triton(h, w, caches, st, rope, eps, programs=None, phases=None)
         count = counters(dev, max(tiles * m_tiles for _, _, _, tiles in phases.values()))
         args = [h, qkv, o, h1, a, out, w_qkv, dummy if b_qkv is None else b_qkv, w_o, dummy if b_o is None else b_o,
                 w_gu, dummy if b_gu is None else b_gu, w_down, dummy if b_down is None else b_down,
-                st.pos, inv_freq, dummy if qkn is None else qkn, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot,
+                w_qkv if w_qkv_next is None else w_qkv_next, st.pos, inv_freq, dummy if qkn is None else qkn,
+                pk, pv, ck, cv, st.rows, st.done, st.start, st.slot,
                 att_o, lse, part, count, sync_counters(dev), M, H, I, NQKV, nq, nk, st.G, pk.shape[2], eps[0], eps[1],
-                rope_scale, qk_eps, scale * 1.4426950408889634]
+                rope_scale, qk_eps, scale * 1.4426950408889634, PREFETCH_STEPS]
         for k in ("QKV", "O", "GU", "D"):
             args += [phases[k][3], phases[k][2]]
         args += [m_tiles, *pk.stride()[:3], *ck.stride()[:3]]
@@ -234,6 +269,7 @@ def decode_layer_triton(h, w, caches, st, rope, eps, programs=None, phases=None)
                      QPK_PAD=max(16, triton.next_power_of_2(nq // nk)), ATT_SPLITS=S,
                      **{f"{k}_SPLIT": phases[k][1] for k in phases}, **{f"{k}_BN": phases[k][0] for k in phases},
                      BLOCK_M=BM, BLOCK_K=GEMM_BLOCK_K, ATT_BLOCK=ATTN_BLOCK_N, MAX_SPINS=MAX_SPINS,
+                     PREFETCH=PREFETCH and not interpret,
                      PRECISION="ieee" if h.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
                      num_stages=stages_that_fit(BM, [(phases[k][0], k in ("QKV", "GU")) for k in phases]))
         return args, const, out
@@ -272,19 +308,20 @@ def decode_layer_op(h: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Optional[torch.
                     ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, done: torch.Tensor, start: torch.Tensor,
                     slot: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, qk_norm: Optional[torch.Tensor],
                     heads: List[int], G: int, eps_attn: float, eps_mlp: float, rope_scale: float, qk_eps: float,
-                    scale: float, impl: str) -> torch.Tensor:
+                    scale: float, impl: str, w_qkv_next: Optional[torch.Tensor] = None) -> torch.Tensor:
     """decode_layer_triton (impl "triton") or decode_layer_torch as a torch op, so that torch.compile keeps the
-    one-graph decode with it inside (it knows the op writes ck/cv). h (n, 1, H) -> (n, 1, H)"""
+    one-graph decode with it inside (it knows the op writes ck/cv). h (n, 1, H) -> (n, 1, H); w_qkv_next: the next
+    layer's, prefetched into L2"""
     from types import SimpleNamespace
     st = SimpleNamespace(rows=rows, done=done, start=start, slot=slot, G=G, pos=pos.reshape(-1))
-    fn = decode_layer_triton if impl == "triton" else decode_layer_torch
-    out = fn(h.reshape(h.shape[0], -1).contiguous(), (w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down),
-             (pk, pv, ck, cv), st, (inv_freq, rope_scale, heads[0], heads[1], qk_norm, qk_eps, scale),
-             (eps_attn, eps_mlp))
+    args = (h.reshape(h.shape[0], -1).contiguous(), (w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down),
+            (pk, pv, ck, cv), st, (inv_freq, rope_scale, heads[0], heads[1], qk_norm, qk_eps, scale),
+            (eps_attn, eps_mlp))
+    out = decode_layer_triton(*args, w_qkv_next=w_qkv_next) if impl == "triton" else decode_layer_torch(*args)
     return out.view(h.shape)
 
 
 @decode_layer_op.register_fake
 def _(h, w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down, pk, pv, ck, cv, rows, done, start, slot, pos, inv_freq,
-      qk_norm, heads, G, eps_attn, eps_mlp, rope_scale, qk_eps, scale, impl):
+      qk_norm, heads, G, eps_attn, eps_mlp, rope_scale, qk_eps, scale, impl, w_qkv_next=None):
     return torch.empty_like(h)

@@ -281,7 +281,7 @@ def decode_forward(model, fused, st, tok, pos):
                 st.slot, pos, st.rope[0], st.qk_norms[i], [attn.q_proj.out_features // D,
                                                           attn.k_proj.out_features // D], st.G,
                 layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
-                st.rope[1], st.qk_eps, attn.scaling, "triton")
+                st.rope[1], st.qk_eps, attn.scaling, "triton", fused[i + 1][0] if i + 1 < len(fused) else None)
             continue
         q, k, v = attention_inputs(st, i, layer, h, w_qkv, b_qkv, pos, cos, sin)  # (n, h, 1, D), (n, kvh, 1, D) x2
         o = torch.ops.nanogrpo.decode_attention(q, k, v, pk, pv, ck, cv, st.rows, st.done,

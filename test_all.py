@@ -793,7 +793,7 @@ def _decode_linear_for_hopper():
         const = dict(QKV_BIAS=True, O_BIAS=False, GU_BIAS=False, D_BIAS=False, QK_NORM=qk_norm, D=128, QPK=6,
                      QPK_PAD=16, ATT_SPLITS=16, QKV_SPLIT=4, QKV_BN=64 if qk_norm else 16, O_SPLIT=2, O_BN=16,
                      GU_SPLIT=2, GU_BN=16, D_SPLIT=8, D_BN=16, BLOCK_M=BM, BLOCK_K=128, ATT_BLOCK=64,
-                     PRECISION="tf32", MAX_SPINS=1 << 20, FIRST=0, LAST=6)
+                     PRECISION="tf32", MAX_SPINS=1 << 20, PREFETCH=True, FIRST=0, LAST=6)
         types = {a: ptrs.get(a, "*bf16") if a.endswith("_ptr") else "fp32" if a in floats else "i32"
                  for a in fn.arg_names if a not in const}
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a.endswith("_ptr") or
@@ -804,6 +804,7 @@ def _decode_linear_for_hopper():
                                BM, [(const["QKV_BN"], True), (16, False), (16, True)])))
         assert k.metadata.shared <= 227 * 1024, f"layer BM={BM}: {k.metadata.shared} B of shared memory"
         assert k.asm["ttgir"].count("async_copy_global_to_local") >= 8, f"layer BM={BM}: K loops not pipelined"
+        assert "prefetch.global.L2" in k.asm["ptx"], f"layer BM={BM}: no W prefetched across phases"
 
 
 @check
