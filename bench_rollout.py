@@ -22,7 +22,6 @@ import triton
 
 import decode_gemm
 import decode_kernels  # noqa: F401 (set_globals sets its knobs)
-import decode_layer
 import rollout
 from kv_reuse import sync
 from rollout import LAST, generate_groups
@@ -293,70 +292,6 @@ def bench_gemms(sweep=False):
                 print(line, flush=True)
 
 
-def bench_layer(shape="1.5B", row_counts=(128, 64, 32, 16, 8), P=64, t=512):
-    """`python bench_rollout.py layer [SHAPE]`: one decode layer alone (random weights, P prompt columns and t
-    completion columns of K/V a row): decode_layer's one persistent launch against the same layer as decode_gemm's
-    four GEMMs and the attention's two kernels (DECODE_GEMM triton), us per layer, against the time its bytes take
-    (weights + K/V read); rel err: decode_layer against decode_layer_torch. Timed from a CUDA graph, cycling
-    through two copies of the weights (93 MB at 1.5B: past the L2 cache either way)."""
-    import itertools
-    import time
-    from types import SimpleNamespace
-    from triton.testing import do_bench_cudagraph
-
-    def us(fn):
-        if CUDA:
-            return do_bench_cudagraph(fn, rep=30) * 1e3
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-    c = SHAPES[shape if CUDA else "tiny"]
-    H, I, nq, nk = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    D, dt, bw = H // nq, torch.bfloat16 if CUDA else torch.float32, spec_bandwidth() or copy_bandwidth() or math.nan
-    print(f"one decode layer ({shape if CUDA else 'tiny'}), P={P}, t={t}; bytes = (W + K/V) / {bw / 1e12:.2f} TB/s; "
-          f"programs {decode_layer.PROGRAMS_PER_SM}/SM, warps {decode_layer.NUM_WARPS}, stages "
-          f"{decode_layer.NUM_STAGES}, prefetch {decode_layer.PREFETCH}")
-    print(f"{'rows':>5} | {'bytes us':>8} | {'5 launches':>10} {'frac':>5} | {'1 launch':>8} {'frac':>5} | "
-          f"{'rel err':>7} {'timeouts':>8} | us a phase launched alone: q|k|v, attention, merge, o, gate|up, down")
-    g = torch.Generator(device=DEV).manual_seed(0)
-    rnd = lambda *shape: torch.randn(*shape, generator=g, device=DEV).to(dt)  # noqa: E731
-    weights = [(rnd((nq + 2 * nk) * D, H) / H ** 0.5, rnd((nq + 2 * nk) * D) * 0.1, rnd(H, H) / H ** 0.5, None,
-                rnd(2 * I, H) / H ** 0.5, None, rnd(H, I) / I ** 0.5, None) for _ in range(2)]
-    freq = 1e6 ** -(torch.arange(0, D, 2, device=DEV) / D)
-    rope = (freq, 1.0, nq, nk, None, 1e-6, D ** -0.5)
-    for M in row_counts if CUDA else (8,):
-        G = min(M, 8)
-        B = M // G
-        caches = (rnd(B, nk, P, D), rnd(B, nk, P, D), rnd(M, nk, t + 8, D), rnd(M, nk, t + 8, D))
-        st = SimpleNamespace(rows=torch.arange(M, device=DEV), done=torch.zeros(M, dtype=torch.bool, device=DEV),
-                             start=torch.zeros(B, dtype=torch.int32, device=DEV), G=G,
-                             slot=torch.tensor([t], device=DEV), pos=torch.full((M,), P + t, device=DEV),
-                             splits=decode_kernels.num_splits(M, nk, torch.device(DEV)))
-        h = rnd(M, H)
-        copies = itertools.cycle(weights)
-
-        def five(w):  # decode_forward's layer with DECODE_GEMM triton
-            w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down = w
-            qkv = decode_gemm.decode_linear_triton(h, w_qkv, b_qkv, 1e-6, None, False, (st.pos, *rope[:6]))
-            q, k, v = (x.view(M, -1, 1, D) for x in qkv.split([nq * D, nk * D, nk * D], -1))
-            o = decode_kernels.decode_attention_triton(q, k, v, caches, st, D ** -0.5).view(M, nq * D)
-            h1 = decode_gemm.decode_linear_triton(o, w_o, b_o, None, h)
-            a = decode_gemm.decode_linear_triton(h1, w_gu, b_gu, 1e-6, None, True)
-            return decode_gemm.decode_linear_triton(a, w_down, b_down, None, h1)
-        one = lambda w: decode_layer.decode_layer_triton(  # noqa: E731 (the next call's W_qkv: the next layer's)
-            h, w, caches, st, rope, (1e-6, 1e-6), w_qkv_next=weights[w is weights[0]][0])
-        w_bytes = sum(x.nbytes for x in weights[0] if x is not None)
-        ideal = (w_bytes + 2 * M * nk * (P + t + 1) * D * 2) / bw * 1e6
-        t5, t1 = us(lambda: five(next(copies))), us(lambda: one(next(copies)))
-        alone = [us(lambda p=p: decode_layer.decode_layer_triton(h, next(copies), caches, st, rope, (1e-6, 1e-6),
-                                                                 phases=[(p, p + 1)])) for p in range(6)]
-        timeouts = int(decode_layer.sync_counters(h.device)[2])  # (barriers that gave up: not all resident)
-        ref = decode_layer.decode_layer_torch(h, weights[0], tuple(x.clone() for x in caches), st, rope, (1e-6, 1e-6))
-        err = ((one(weights[0]).float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        print(f"{M:>5} | {ideal:>8.1f} | {t5:>10.1f} {ideal / t5:>5.2f} | {t1:>8.1f} {ideal / t1:>5.2f} | "
-              f"{err:>7.1e} {timeouts:>8} | " + " ".join(f"{x:.1f}" for x in alone), flush=True)
-
-
 def bench_profile(shape="1.5B", row_counts=(128, 32, 8), P=64, T=512):
     """`python bench_rollout.py profile [SHAPE]`: where a decode step's time goes, kernel by kernel (torch.profiler over
     one whole generate_groups call after a warm-up call; CUDA graphs and the compiled forward as in training; no EOS,
@@ -439,12 +374,12 @@ def bench_lora(path=None, r=16, B=8, G=8, P=64, T=1024):
 
 
 def set_globals(args):
-    """module.GLOBAL=value arguments (rollout, decode_kernels, decode_gemm or decode_layer) set, the rest returned"""
+    """module.GLOBAL=value arguments (rollout, decode_kernels or decode_gemm) set, the rest returned"""
     import ast
     rest = []
     for a in args:
         mod, _, key = a.partition("=")[0].partition(".")
-        if mod in ("rollout", "decode_kernels", "decode_gemm", "decode_layer") and "=" in a:
+        if mod in ("rollout", "decode_kernels", "decode_gemm") and "=" in a:
             assert hasattr(sys.modules[mod], key), f"{mod} has no global {key}"
             setattr(sys.modules[mod], key, ast.literal_eval(a.partition("=")[2]))
             print(f"{mod}.{key} = {getattr(sys.modules[mod], key)!r}")
@@ -459,8 +394,6 @@ if __name__ == "__main__":
         bench_gemms(sweep="sweep" in argv)
     elif argv[:1] == ["rows"]:
         bench_rows(tuple(argv[1:]) or ("0.5B", "1.5B"))
-    elif argv[:1] == ["layer"]:
-        bench_layer(*argv[1:2])
     elif argv[:1] == ["lora"]:
         bench_lora(*argv[1:2])
     elif argv[:1] == ["profile"]:

@@ -38,39 +38,7 @@ def _decode_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr
                           ROPE: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr,
                           SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           PRECISION: tl.constexpr, USE_GDC: tl.constexpr, PREFETCH: tl.constexpr):
-    """program (n tile, m tile, k split): _linear_tile's item. USE_GDC (PDL): the program may start while the kernel
-    before it still runs; W does not depend on that kernel, so with PREFETCH the program first asks for its W slice
-    into L2 (prefetch.global.L2, one per 128-byte line), then waits."""
-    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if USE_GDC and PREFETCH:  # (before the wait: W does not depend on the kernel before)
-        offs_n = _tile_rows(pid_n, N, ROPE, HALF, BLOCK_N)
-        _prefetch_weights(w_ptr + tl.minimum(offs_n, N - 1) * stride_wn, (HALF if ROPE else N) * stride_wn,
-                          GLU or ROPE, pid_k * K_PER, tl.minimum(pid_k * K_PER + K_PER, K), K, BLOCK_K)
-    _wait_for_previous_kernel(USE_GDC)
-    _linear_tile(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr, pos_ptr, freq_ptr, qkn_ptr,
-                 pid_n, pid_m, pid_k, pid_m * tl.num_programs(0) + pid_n, M, N, K, K_PER, eps, NQ, NQK, rope_scale,
-                 qk_eps, stride_xm, stride_wn, stride_rm, stride_ym, NORM, GLU, BIAS, RESIDUAL, ROPE, QK_NORM, HALF,
-                 SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-
-
-@triton.jit
-def _tile_rows(pid_n, N, ROPE: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
-    """the W rows (outputs) of n tile pid_n: BLOCK_N in a row, or with RoPE the first half's BLOCK_N columns of
-    head pid_n // (HALF / BLOCK_N) (the pair: the same columns + HALF)"""
-    head, sub = pid_n // (HALF // BLOCK_N), pid_n % (HALF // BLOCK_N)
-    return (head * 2 * HALF + sub * BLOCK_N + tl.arange(0, BLOCK_N)) if ROPE else \
-        pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-
-
-@triton.jit
-def _linear_tile(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr, pos_ptr, freq_ptr, qkn_ptr,
-                 pid_n, pid_m, pid_k, tile, M, N, K, K_PER, eps, NQ, NQK, rope_scale, qk_eps,
-                 stride_xm, stride_wn, stride_rm, stride_ym,
-                 NORM: tl.constexpr, GLU: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
-                 ROPE: tl.constexpr, QK_NORM: tl.constexpr, HALF: tl.constexpr, SPLIT_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """one work item (n tile pid_n, m tile pid_m, k split pid_k; tile: its index among the launch's (m, n) tiles,
-    for the split counters and partials): y[m, n] = epilogue(sum over the split's K range of x[m, k] W[n, k]).
+    """program (n tile, m tile, k split): y[m, n] = epilogue(sum over the split's K range of x[m, k] W[n, k]).
     NORM (RMSNorm folded in): sum_k (x_k r g_k) W_nk = r sum_k x_k (g_k W_nk) with r = rsqrt(mean_k x_k^2 + eps):
     W arrives with g folded into its columns (fold_norm), the dot takes x as loaded, and the row scale r multiplies
     the accumulator. sum_k x_k^2 is the diagonal of x x^T, a second small dot on the same x tile: x stays in shared
@@ -87,12 +55,19 @@ def _linear_tile(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr, pos_ptr
     v heads pass through. SPLIT_K > 1 (few output tiles, long K: more programs to pull HBM): each split stores its
     float32 partial sums and bumps the tile's counter; the split that arrives last sums the partials in split order
     (the same bits whichever arrives last), runs the epilogue and resets the counter for the next launch.
-    Run by _decode_linear_kernel (a program an item) and decode_layer's persistent kernel (a program many items)."""
+    USE_GDC (PDL): the program may start while the kernel before it still runs; W does not depend on that kernel, so
+    with PREFETCH the program first asks for its W slice into L2 (prefetch.global.L2, one per 128-byte line), then
+    waits."""
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     head, sub = pid_n // (HALF // BLOCK_N), pid_n % (HALF // BLOCK_N)  # (ROPE only)
     offs_d = sub * BLOCK_N + tl.arange(0, BLOCK_N)  # (ROPE only) the columns' frequency index in the head half
-    offs_n = _tile_rows(pid_n, N, ROPE, HALF, BLOCK_N)
+    offs_n = (head * 2 * HALF + offs_d) if ROPE else pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     HI = HALF if ROPE else N  # the pair's second row: up (GLU) or the head's second half (ROPE)
+    if USE_GDC and PREFETCH:  # (before the wait: W does not depend on the kernel before)
+        _prefetch_weights(w_ptr + tl.minimum(offs_n, N - 1) * stride_wn, HI * stride_wn, GLU or ROPE,
+                          pid_k * K_PER, tl.minimum(pid_k * K_PER + K_PER, K), K, BLOCK_K)
+    _wait_for_previous_kernel(USE_GDC)
     m_ok, n_ok = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # (GLU, ROPE only) the pair's second row
@@ -114,6 +89,7 @@ def _linear_tile(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr, pos_ptr
     ss = tl.sum(tl.where(offs_i[:, None] == offs_i[None, :], xx, 0.), 1)  # (BLOCK_M,) the diagonal
     last = True
     if SPLIT_K > 1:  # partials (tiles, SPLIT_K, BLOCK_M, 2 BLOCK_N + 1): [acc | acc_up | ss]
+        tile = pid_m * tl.num_programs(0) + pid_n
         W_P: tl.constexpr = 2 * BLOCK_N + 1
         base = part_ptr + tile * (SPLIT_K * BLOCK_M * W_P) + tl.arange(0, BLOCK_M)[:, None] * W_P
         offs_c = tl.arange(0, BLOCK_N)[None, :]

@@ -99,28 +99,12 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_p
                          QPK: tl.constexpr, QPK_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          SPLITS: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr,
                          USE_GDC: tl.constexpr):
-    """program (slot, kv head, split): _attend_split's item"""
+    """program (slot, kv head, split): the QPK query heads of one K/V head against one contiguous range [lo, hi) of
+    the row's keys, numbered [prompt's real columns | completion columns 0..t]; t = slot_ptr[0] is this step's
+    column. The split that owns column t first stores this step's K/V there (knew/vnew). MERGE (SPLITS > 1): no
+    merge kernel; the split that arrives last at its (slot, kv head) counter merges the partials, in split order."""
     _wait_for_previous_kernel(USE_GDC)
-    _attend_split(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_ptr, rows_ptr, done_ptr, start_ptr, slot_ptr,
-                  o_ptr, lse_ptr, out_ptr, count_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                  tl.num_programs(1), G, P, qk_scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-                  stride_pb, stride_ph, stride_pl, stride_cn, stride_ch, stride_cl, QPK, QPK_PAD, D, BLOCK_N, SPLITS,
-                  PRECISION, MERGE)
-
-
-@triton.jit
-def _attend_split(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_ptr, rows_ptr, done_ptr, start_ptr, slot_ptr,
-                  o_ptr, lse_ptr, out_ptr, count_ptr, pid_n, pid_h, pid_s, num_h, G, P, qk_scale,
-                  stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-                  stride_pb, stride_ph, stride_pl, stride_cn, stride_ch, stride_cl,
-                  QPK: tl.constexpr, QPK_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SPLITS: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr):
-    """one work item (slot pid_n, K/V head pid_h of num_h, split pid_s): the QPK query heads of one K/V head
-    against one contiguous range [lo, hi) of the row's keys, numbered [prompt's real columns | completion columns
-    0..t]; t = slot_ptr[0] is this step's column. The split that owns column t first stores this step's K/V there
-    (knew/vnew). MERGE (SPLITS > 1): no merge kernel; the split that arrives last at its (slot, kv head) counter
-    merges the partials, in split order.
-    Run by _decode_split_kernel (a program an item) and decode_layer's persistent kernel (a program many items)."""
+    pid_n, pid_h, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = tl.load(rows_ptr + pid_n).to(tl.int64)
     b = row // G
     n_pre = P - tl.load(start_ptr + b)  # the prompt's real (unpadded) columns
@@ -153,7 +137,7 @@ def _attend_split(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_ptr, row
     m_i, l_i, acc = _attend_columns(ck_ptr, cv_ptr, c_off, stride_cl, tl.maximum(lo - n_pre, 0), hi - n_pre, q, m_i,
                                     l_i, acc, qk_scale, D, BLOCK_N, PRECISION)
     l_safe = tl.where(l_i > 0, l_i, 1.)
-    nh = pid_n * (QPK * num_h) + heads  # flat (slot, head)
+    nh = pid_n * (QPK * tl.num_programs(1)) + heads  # flat (slot, head)
     if SPLITS == 1:  # the only split: write the output itself, (n, 1, h, D)
         tl.store(out_ptr + nh[:, None] * D + offs_d[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
                  mask=q_ok[:, None])
@@ -162,7 +146,7 @@ def _attend_split(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_ptr, row
                  mask=q_ok[:, None])
         tl.store(lse_ptr + nh * SPLITS + pid_s, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=q_ok)
         if MERGE:
-            tile = pid_n * num_h + pid_h
+            tile = pid_n * tl.num_programs(1) + pid_h
             tl.debug_barrier()  # every thread's partials are written before the (one-thread) release below
             last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLITS - 1
             tl.debug_barrier()  # and every thread reads the others' partials after its acquire
@@ -187,14 +171,9 @@ def _attend_split(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_ptr, row
 
 @triton.jit
 def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr, USE_GDC: tl.constexpr):
-    """program (slot*h + head): _merge_splits' item"""
+    """program (slot*h + head): merge the SPLITS partial outputs by their log-sum-exp (log2 units)"""
     _wait_for_previous_kernel(USE_GDC)
-    _merge_splits(o_ptr, lse_ptr, out_ptr, tl.program_id(0), D, SPLITS)
-
-
-@triton.jit
-def _merge_splits(o_ptr, lse_ptr, out_ptr, pid, D: tl.constexpr, SPLITS: tl.constexpr):
-    """one work item (slot*h + head, pid): merge the SPLITS partial outputs by their log-sum-exp (log2 units)"""
+    pid = tl.program_id(0)
     offs_s = tl.arange(0, SPLITS)
     offs_d = tl.arange(0, D)
     lse = tl.load(lse_ptr + pid * SPLITS + offs_s)

@@ -46,7 +46,6 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from decode_gemm import decode_linear_op, fold_norm  # noqa: F401 (decode_linear_op registers nanogrpo::decode_linear)
-from decode_layer import decode_layer_op  # noqa: F401 (registers nanogrpo::decode_layer)
 from decode_kernels import decode_attention_op, sample, sample_triton
 from kv_reuse import positions, reuse_unsupported, trim_left_padding
 from lora import effective_weight
@@ -64,8 +63,6 @@ FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); 
 DECODE_GEMM = "torch"  # decode_forward's GEMMs: torch (cuBLAS; the compiler fuses norms, SiLU, residuals around them)
 #                | triton (decode_gemm.decode_linear: RMSNorm, RoPE, SiLU*up, residual inside the GEMM's launch;
 #                  on an H200 faster at <= 16 live rows, slower from 32: BENCHMARKS, the decode-floor levers)
-#                | layer (decode_layer: a layer's GEMMs and attention in one persistent launch; needs the epilogue
-#                  RoPE, else triton)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose inv_freq never changes (not dynamic NTK)
 LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl, decode path (tests, benchmarks)
 
@@ -274,15 +271,6 @@ def decode_forward(model, fused, st, tok, pos):
     for i, (layer, (w_qkv, b_qkv, w_gu, b_gu, w_o, b_o, w_down, b_down), (pk, pv, ck, cv)) in enumerate(zip(
             trunk.layers, fused, st.layers)):
         attn, mlp = layer.self_attn, layer.mlp
-        if st.gemm == "layer":  # the whole layer in one launch (decode_layer)
-            D = attn.head_dim
-            h = torch.ops.nanogrpo.decode_layer(
-                h, w_qkv, b_qkv, w_o, b_o, w_gu, b_gu, w_down, b_down, pk, pv, ck, cv, st.rows, st.done, st.start,
-                st.slot, pos, st.rope[0], st.qk_norms[i], [attn.q_proj.out_features // D,
-                                                          attn.k_proj.out_features // D], st.G,
-                layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
-                st.rope[1], st.qk_eps, attn.scaling, "triton", fused[i + 1][0] if i + 1 < len(fused) else None)
-            continue
         q, k, v = attention_inputs(st, i, layer, h, w_qkv, b_qkv, pos, cos, sin)  # (n, h, 1, D), (n, kvh, 1, D) x2
         o = torch.ops.nanogrpo.decode_attention(q, k, v, pk, pv, ck, cv, st.rows, st.done,
                                                 st.start, st.slot, st.G, attn.scaling, st.impl)  # (n, 1, h, D)
@@ -428,12 +416,11 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                                 pos=pos[:, -1:].repeat_interleave(G, 0) + 1, done=done)  # (n,), (n, 1), (n, 1), (n,)
         fused = fuse_projections(model) if FUSE else None
         forward_fn = decode_forward if fused is not None else model_forward
-        gemm = DECODE_GEMM if DECODE_GEMM in ("triton", "layer") and fused is not None and \
-            triton_gemms_fit(model, fused, dev) else "torch"
+        gemm = "triton" if DECODE_GEMM == "triton" and fused is not None and triton_gemms_fit(model, fused, dev) \
+            else "torch"
         rope = None
-        if gemm != "torch":  # RoPE in q|k|v's epilogue where it can; W with the RMSNorm's weight in its columns
+        if gemm == "triton":  # RoPE in q|k|v's epilogue where it can; W with the RMSNorm's weight in its columns
             rope = epilogue_rope(model, dev)
-            gemm = "triton" if rope is None else gemm  # (decode_layer has no other RoPE)
             fused = [(fold_norm(w_qkv, layer.input_layernorm.weight), b_qkv,
                       fold_norm(w_gu, layer.post_attention_layernorm.weight), b_gu, *rest)
                      for layer, (w_qkv, b_qkv, w_gu, b_gu, *rest) in zip(model.model.layers, fused)]

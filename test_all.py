@@ -692,54 +692,6 @@ def test_rollout_decode_linear_kernel_vs_torch():
             assert_close(got.double(), want, tol, f"q|k|v RoPE {dt} qk_norm={qk_norm} M={M} split={split}")
 
 
-@check
-@_kv_one_thread
-def test_rollout_decode_layer_kernel_vs_torch():
-    """decode_layer's persistent layer kernel (its six phases launched one at a time: the interpreter runs programs
-    in turn, so no barrier could pass) == decode_layer_torch, the same layer in the model's ops: q|k|v with RoPE
-    (and qwen3's q/k norms), the attention over a left-padded prompt and the row's cache with a permuted slot -> row
-    map and a finished slot, o + residual, SiLU(gate) * up, down + residual; biases or none; 1 and 8 attention
-    splits, K split in the GEMMs (programs: 3 and 40), rows over one m tile (17, tiles of 16); this step's K/V land
-    in the cache at the column, the split counters are back at 0"""
-    import decode_layer
-    g = torch.Generator().manual_seed(0)
-    rnd = lambda *shape, dt: torch.randn(*shape, generator=g).to(DEVICE, dt)  # noqa: E731
-    d = lambda t: None if t is None else t.double()  # noqa: E731
-    for dt, tol in ((torch.float32, 2e-5), (torch.float16, 1e-2)):
-        for M, programs, bias, qk_norm in ((5, 3, True, False), (17, 40, False, True), (6, 40, True, True)):
-            H, I, D, nq, nk, G, P, T, t = 64, 520, 32, 4, 2, 3, 9, 12, 7  # (I: down_proj's K split in 2)
-            B = -(-M // G) + 1
-            w_qkv, w_o = rnd((nq + 2 * nk) * D, H, dt=dt) / H ** 0.5, rnd(H, nq * D, dt=dt) / (nq * D) ** 0.5
-            w_gu, w_down = rnd(2 * I, H, dt=dt) / H ** 0.5, rnd(H, I, dt=dt) / I ** 0.5
-            bs = [rnd(w.shape[0], dt=dt) if bias else None for w in (w_qkv, w_o, w_gu, w_down)]
-            w = (w_qkv, bs[0], w_o, bs[1], w_gu, bs[2], w_down, bs[3])
-            pk, pv = rnd(B, nk, P, D, dt=dt), rnd(B, nk, P, D, dt=dt)
-            ck, cv = rnd(B * G, nk, T, D, dt=dt), rnd(B * G, nk, T, D, dt=dt)
-            st = SimpleNamespace(rows=torch.randperm(B * G, generator=g)[:M].to(DEVICE), G=G,
-                                 done=torch.zeros(M, dtype=torch.bool, device=DEVICE).index_fill_(
-                                     0, torch.tensor([1], device=DEVICE), True),
-                                 start=torch.randint(0, P, (B,), generator=g, dtype=torch.int32).to(DEVICE),
-                                 slot=torch.tensor([t], device=DEVICE),
-                                 pos=torch.randint(0, 3000, (M,), generator=g).to(DEVICE))
-            freq = (1e4 ** -(torch.arange(0, D, 2) / D)).to(DEVICE)
-            qkn = 1 + 0.1 * rnd(2 * D, dt=dt) if qk_norm else None
-            h = rnd(M, H, dt=dt)
-            caches = (pk, pv, ck.clone(), cv.clone())
-            got = decode_layer.decode_layer_triton(h, w, caches, st, (freq, 1.0, nq, nk, qkn, 1e-6, D ** -0.5),
-                                                   (1e-6, 1e-5), programs=programs)
-            want_caches = (d(pk), d(pv), d(ck), d(cv))
-            want = decode_layer.decode_layer_torch(d(h), tuple(d(x) for x in w), want_caches, st,
-                                                   (freq.double(), 1.0, nq, nk, d(qkn), 1e-6, D ** -0.5),
-                                                   (1e-6, 1e-5))
-            name = f"{dt} M={M} programs={programs} bias={bias} qk_norm={qk_norm}"
-            assert got.shape == (M, H) and got.dtype == dt, name
-            assert_close(got.double(), want, tol * float(want.abs().max()), name)
-            live = st.rows[~st.done]
-            for c, wc in zip(caches[2:], want_caches[2:]):
-                assert_close(c[live, :, t].double(), wc[live, :, t], tol * float(wc.abs().max()), f"{name}: cache")
-            assert int(decode_kernels.COUNTERS[h.device].abs().sum()) == 0, f"{name}: counters not reset"
-
-
 def _decode_linear_for_hopper():
     """test_rollout_decode_linear_compiles_for_hopper's body, run in a process without TRITON_INTERPRET (the
     interpreter patches triton.language while it is on)"""
@@ -784,27 +736,6 @@ def _decode_linear_for_hopper():
                                  attrs=attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4,
                                                                                               num_stages=3))
     assert "griddepcontrol.wait" in k.asm["ptx"] and "atom" in k.asm["ptx"], "attention: no PDL wait or counter"
-    import decode_layer  # the persistent layer kernel, all six phases in one launch, at 16 and 128 rows
-    fn = decode_layer._decode_layer_kernel
-    ptrs = dict(pos_ptr="*i64", freq_ptr="*fp32", rows_ptr="*i64", done_ptr="*i1", start_ptr="*i32", slot_ptr="*i64",
-                att_o_ptr="*fp32", lse_ptr="*fp32", part_ptr="*fp32", count_ptr="*i32", sync_ptr="*i32")
-    floats = ("eps_attn", "eps_mlp", "rope_scale", "qk_eps", "qk_scale")
-    for BM, qk_norm in ((16, False), (128, True)):
-        const = dict(QKV_BIAS=True, O_BIAS=False, GU_BIAS=False, D_BIAS=False, QK_NORM=qk_norm, D=128, QPK=6,
-                     QPK_PAD=16, ATT_SPLITS=16, QKV_SPLIT=4, QKV_BN=64 if qk_norm else 16, O_SPLIT=2, O_BN=16,
-                     GU_SPLIT=2, GU_BN=16, D_SPLIT=8, D_BN=16, BLOCK_M=BM, BLOCK_K=128, ATT_BLOCK=64,
-                     PRECISION="tf32", MAX_SPINS=1 << 20, PREFETCH=True, FIRST=0, LAST=6)
-        types = {a: ptrs.get(a, "*bf16") if a.endswith("_ptr") else "fp32" if a in floats else "i32"
-                 for a in fn.arg_names if a not in const}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a.endswith("_ptr") or
-                 a.startswith("stride_") or a in ("H", "I", "NQKV", "QKV_KPER", "O_KPER", "GU_KPER", "D_KPER")}
-        k = triton.compile(ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}}, constexprs=const,
-                                     attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=decode_layer.NUM_WARPS, num_stages=decode_layer.stages_that_fit(
-                               BM, [(const["QKV_BN"], True), (16, False), (16, True)])))
-        assert k.metadata.shared <= 227 * 1024, f"layer BM={BM}: {k.metadata.shared} B of shared memory"
-        assert k.asm["ttgir"].count("async_copy_global_to_local") >= 8, f"layer BM={BM}: K loops not pipelined"
-        assert "prefetch.global.L2" in k.asm["ptx"], f"layer BM={BM}: no W prefetched across phases"
 
 
 @check
@@ -813,9 +744,8 @@ def test_rollout_decode_linear_compiles_for_hopper():
     triton's own ptxas, no GPU), each of a layer's four GEMMs (q|k|v with RoPE and q/k norms) at 8 and 128 rows
     (o, down: also with split K) builds, fits the 227 KiB of shared memory, and its K loop is software-pipelined
     (cp.async stages: what a memory-bound GEMM needs), and under PDL prefetches its W, then waits for the kernel
-    before it; the attention kernel with its merge in the last split builds under PDL too, and decode_layer's
-    persistent kernel with its GEMM phases pipelined. The pointer/stride divisibility the JIT would specialize on is
-    given, as it is on a GPU."""
+    before it; the attention kernel with its merge in the last split builds under PDL too. The pointer/stride
+    divisibility the JIT would specialize on is given, as it is on a GPU."""
     import subprocess
     res = subprocess.run([sys.executable, "-c", "import test_all; test_all._decode_linear_for_hopper()"],
                          cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
@@ -902,10 +832,9 @@ def test_rollout_greedy_matches_hf_generate():
                 ("qwen2", "sdpa", (7, 7, 7), True, "torch"), ("llama", "eager", (7, 2, 4), False, "torch"),
                 ("qwen3", "sdpa", (3, 7, 5), True, "torch"), ("qwen3", "sdpa", (3, 7, 5), False, "torch"),
                 ("llama", "sdpa", (7, 2, 4), True, "triton"), ("qwen2", "sdpa", (7, 2, 4), True, "triton"),
-                ("qwen3", "sdpa", (3, 7, 5), True, "triton"), ("qwen2", "sdpa", (7, 2, 4), True, "layer"),
-                ("qwen3", "sdpa", (3, 7, 5), True, "layer")):
+                ("qwen3", "sdpa", (3, 7, 5), True, "triton")):
             rollout.FUSE = fuse  # decode_forward (fused q|k|v, gate|up) or the model's own forward
-            rollout.DECODE_GEMM = gemm  # decode_forward's GEMMs: F.linear, decode_gemm.decode_linear, decode_layer
+            rollout.DECODE_GEMM = gemm  # decode_forward's GEMMs: F.linear, or decode_gemm.decode_linear
             model = _kv_model(arch, tied=arch == "qwen2", attn_implementation=attn)
             prompt_ids, prompt_mask, _, _ = _kv_batch(G=G, prompt_lens=lens, seed=3)
             free = _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=99999)
@@ -917,7 +846,7 @@ def test_rollout_greedy_matches_hf_generate():
                 compacted |= len(rollout.LAST["buckets"]) > 1
                 assert rollout.LAST["fused"] == fuse, f"{name}: fused path {rollout.LAST['fused']}, want {fuse}"
                 assert rollout.LAST["gemm"] == (gemm if fuse else "torch"), f"{name}: gemm {rollout.LAST['gemm']}"
-                assert (rollout.LAST["rope"] == "epilogue") == (gemm != "torch"), f"{name}: {rollout.LAST['rope']}"
+                assert (rollout.LAST["rope"] == "epilogue") == (gemm == "triton"), f"{name}: {rollout.LAST['rope']}"
                 assert ids.shape == mask.shape and ids.shape[0] == 3 * G, f"{name}: shapes"
                 lens_ref = [next((i + 1 for i, x in enumerate(row) if x in eos), len(row)) for row in ref]
                 assert ids.shape[1] == max(lens_ref), f"{name}: {ids.shape[1]} columns, want {max(lens_ref)}"
@@ -962,7 +891,7 @@ def test_rollout_decode_forward_is_one_graph():
     eos = [free[0][3], free[1][3]]  # two of three groups end at token 3: the live third fits a bucket of 4 < 9 / 2
     ref = _kv_generate_reference(model, prompt_ids, prompt_mask, 12, eos=eos)
     orig = rollout.decode_forward
-    for gemm in ("torch", "triton", "layer"):  # (triton, layer: the ops nanogrpo::decode_linear / decode_layer)
+    for gemm in ("torch", "triton"):  # (triton: the GEMMs are the op nanogrpo::decode_linear, inside the graph too)
         torch._dynamo.reset()
         counters.clear()
         rollout.decode_forward = torch.compile(orig, backend="aot_eager", dynamic=True, fullgraph=True)
