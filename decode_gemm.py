@@ -245,9 +245,11 @@ def decode_linear_triton(x, w, b=None, norm_eps=None, residual=None, glu=False, 
 
 
 def rms_norm_torch(x, weight, eps):
-    """transformers' RMSNorm: float32 statistics, the normalized x back in x's dtype, then times the weight"""
+    """transformers' RMSNorm: float32 statistics, the normalized x back in x's dtype, then times the weight (None:
+    the weight is folded into the next GEMM's W, fold_norm)"""
     xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if weight is None else weight * y
 
 
 def decode_linear_torch(x, w, b=None, g=None, residual=None, eps=1e-6, glu=False, rope=None):

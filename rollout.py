@@ -15,7 +15,8 @@ A decode step of B*G rows must read every weight once plus every live row's K/V.
    GEMMs matters more than their bytes: decode_forward runs the model's own modules (embedding, RoPE, norms,
    o_proj, activation, down_proj, LM head) but q|k|v as one GEMM and gate|up as another, on weights concatenated
    once per call (FUSE; 7 GEMMs a layer become 4). DECODE_GEMM = "triton" runs those 4 as decode_gemm's
-   decode_linear, with the norms, RoPE, SiLU-mul and residual adds inside their launches (opt-in: slower today).
+   decode_linear, with the norms, RoPE, SiLU-mul and residual adds inside their launches, in buckets of up to
+   TRITON_GEMM_MAX_ROWS slots (opt-in: faster there, slower above, where cuBLAS runs on the same weights).
 
 Each decode step (model forward, sampling, bookkeeping) is one CUDA graph replay; the host only checks "done" every
 CHECK_EVERY steps. Sampling needs no host sync either (decode_kernels.py: inverse-CDF Triton kernels, or torch ops
@@ -45,7 +46,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from decode_gemm import decode_linear_op, fold_norm  # noqa: F401 (decode_linear_op registers nanogrpo::decode_linear)
+from decode_gemm import decode_linear_op, fold_norm, rms_norm_torch  # noqa: F401 (decode_linear_op: registers the op)
 from decode_kernels import decode_attention_op, sample, sample_triton
 from kv_reuse import positions, reuse_unsupported, trim_left_padding
 from lora import effective_weight
@@ -61,8 +62,10 @@ COMPILE_MIN_TOKENS = 512  # ...from this many new tokens on: the first compile c
 COMPILE_BACKEND = "inductor"  # on CUDA; on the CPU only another backend compiles (tests: aot_eager, no C++ compiler)
 FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); False: the model's own forward
 DECODE_GEMM = "torch"  # decode_forward's GEMMs: torch (cuBLAS; the compiler fuses norms, SiLU, residuals around them)
-#                | triton (decode_gemm.decode_linear: RMSNorm, RoPE, SiLU*up, residual inside the GEMM's launch;
-#                  on an H200 faster at <= 16 live rows, slower from 32: BENCHMARKS, the decode-floor levers)
+#                | triton (decode_gemm.decode_linear: RMSNorm, RoPE, SiLU*up, residual inside the GEMM's launch,
+#                  for buckets of up to TRITON_GEMM_MAX_ROWS slots; larger ones run cuBLAS on the same weights)
+TRITON_GEMM_MAX_ROWS = 16  # on an H200 (1.5B) decode_linear's step is faster at 8 and 16 rows (1.75 / 1.86 ms against
+#                            1.93 / 1.99), slower from 32 (2.17 against 2.08; BENCHMARKS, the decode-floor levers)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose inv_freq never changes (not dynamic NTK)
 LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl, decode path (tests, benchmarks)
 
@@ -213,12 +216,14 @@ def triton_gemms_fit(model, fused, device):
 
 def project(st, x, w, b, norm=None, act=None, residual=None):
     """one decode GEMM with its neighbours: residual + act(norm(x) @ W^T + b), act(y) = act_fn(gate) * up on W's
-    two halves [gate; up]. st.gemm "triton": one decode_gemm launch; else the model's modules and F.linear"""
+    two halves [gate; up]. st.gemm "triton": one decode_gemm launch; else the model's modules and F.linear ("folded":
+    on the triton path's weights, the norm's weight in W: the norm without it)"""
     if st.gemm == "triton":
         return torch.ops.nanogrpo.decode_linear(x, w, b, norm is not None, residual,  # (W: the norm's weight in)
                                                 0. if norm is None else norm.variance_epsilon, act is not None,
                                                 "triton")
-    y = F.linear(x if norm is None else norm(x), w, b)
+    x = x if norm is None else norm(x) if st.gemm == "torch" else rms_norm_torch(x, None, norm.variance_epsilon)
+    y = F.linear(x, w, b)
     if act is not None:
         gate, up = y.chunk(2, -1)
         y = act(gate) * up
@@ -426,12 +431,15 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                      for layer, (w_qkv, b_qkv, w_gu, b_gu, *rest) in zip(model.model.layers, fused)]
         LAST.clear()
         LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None, gemm=gemm,
-                    rope="epilogue" if rope else "torch")
+                    gemms=[], rope="epilogue" if rope else "torch")  # (gemms: each bucket's, triton or folded)
 
         def make_step(sl):
             # (the attention op picks the split count for the slots it gets; rope: epilogue_rope's fields)
+            few = sl.rows.shape[0] <= TRITON_GEMM_MAX_ROWS  # the triton GEMMs' buckets; cuBLAS on folded W above
             st = SimpleNamespace(layers=layers, rows=sl.rows, done=sl.done, start=start, slot=slot, G=G,
-                                 impl=attn_impl, gemm=gemm, **(rope or dict(rope=None)))
+                                 impl=attn_impl, gemm="folded" if gemm == "triton" and not few else gemm,
+                                 **(rope or dict(rope=None)))
+            LAST["gemms"].append(st.gemm)
 
             def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)
                 args = (model, fused, st, sl.tok, sl.pos) if fused is not None else (model, sl.tok, sl.pos)

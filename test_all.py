@@ -823,10 +823,12 @@ def test_rollout_logprobs_are_the_samplers():
 def test_rollout_greedy_matches_hf_generate():
     """greedy generate_groups == model.generate on each prompt alone; mixed prompt lengths (left padding) and equal
     ones; sdpa and eager models; an EOS list that ends row 0 mid-way (the live rows are compacted into smaller
-    buckets, asserted), and one that ends every row by step 2 (the trailing all-padding columns are trimmed)"""
+    buckets, asserted), and one that ends every row by step 2 (the trailing all-padding columns are trimmed); the
+    triton GEMMs in small buckets and cuBLAS on the same folded weights in larger ones"""
     G, T = 3, 12
-    with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True, DECODE_GEMM="torch") as rollout:
-        compacted = False
+    with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True, DECODE_GEMM="torch",
+                        TRITON_GEMM_MAX_ROWS=4) as rollout:  # (triton: 9 slots on cuBLAS, folded W; <= 4 triton)
+        compacted, gemms = False, set()
         for arch, attn, lens, fuse, gemm in (
                 ("llama", "sdpa", (7, 2, 4), True, "torch"), ("qwen2", "sdpa", (7, 2, 4), True, "torch"),
                 ("qwen2", "sdpa", (7, 7, 7), True, "torch"), ("llama", "eager", (7, 2, 4), False, "torch"),
@@ -844,6 +846,7 @@ def test_rollout_greedy_matches_hf_generate():
                 ids, mask = rollout.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=0.0,
                                                     eos_token_id=eos, pad_token_id=0)
                 compacted |= len(rollout.LAST["buckets"]) > 1
+                gemms |= set(rollout.LAST["gemms"]) if gemm == "triton" else set()
                 assert rollout.LAST["fused"] == fuse, f"{name}: fused path {rollout.LAST['fused']}, want {fuse}"
                 assert rollout.LAST["gemm"] == (gemm if fuse else "torch"), f"{name}: gemm {rollout.LAST['gemm']}"
                 assert (rollout.LAST["rope"] == "epilogue") == (gemm == "triton"), f"{name}: {rollout.LAST['rope']}"
@@ -856,6 +859,7 @@ def test_rollout_greedy_matches_hf_generate():
                     assert mask[r, :n].all() and not mask[r, n:].any() and (ids[r, n:] == 0).all(), f"{name} row {r}"
                 assert lens_ref[0] <= 4, f"{name}: EOS did not end row 0 early"
         assert compacted, "no call compacted its live rows into a smaller bucket"
+        assert gemms == {"folded", "triton"}, f"the triton GEMMs' buckets and cuBLAS's on their weights: {gemms}"
 
         class Shifted(torch.nn.Linear):  # a projection that is more than x @ W^T + b (as a LoRA or quantized one is)
             def forward(self, x):
@@ -891,19 +895,21 @@ def test_rollout_decode_forward_is_one_graph():
     eos = [free[0][3], free[1][3]]  # two of three groups end at token 3: the live third fits a bucket of 4 < 9 / 2
     ref = _kv_generate_reference(model, prompt_ids, prompt_mask, 12, eos=eos)
     orig = rollout.decode_forward
-    for gemm in ("torch", "triton"):  # (triton: the GEMMs are the op nanogrpo::decode_linear, inside the graph too)
-        torch._dynamo.reset()
-        counters.clear()
+    for gemm, max_rows in (("torch", 16), ("triton", 16), ("triton", 4)):  # (triton: the op nanogrpo::decode_linear
+        torch._dynamo.reset()                                               # inside the graph; 4: cuBLAS on its
+        counters.clear()                                                    # folded W for the 9-slot bucket)
         rollout.decode_forward = torch.compile(orig, backend="aot_eager", dynamic=True, fullgraph=True)
         try:
-            with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True, DECODE_GEMM=gemm) as r:
+            with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True, DECODE_GEMM=gemm,
+                                TRITON_GEMM_MAX_ROWS=max_rows) as r:
                 ids, mask = r.generate_groups(model, prompt_ids, prompt_mask, 3, 12, temperature=0.0,
                                               eos_token_id=eos, pad_token_id=0)
-                buckets, used = r.LAST["buckets"], r.LAST["gemm"]
+                buckets, used, gemms = r.LAST["buckets"], r.LAST["gemm"], r.LAST["gemms"]
         finally:
             rollout.decode_forward = orig
             torch._dynamo.reset()
         assert len(buckets) > 1 and used == gemm, f"{gemm}: buckets {buckets}, gemm {used}"
+        assert max_rows > 9 or gemms[0] == "folded", f"{gemm} {max_rows}: {gemms}"
         graphs = counters["stats"]["unique_graphs"]
         assert graphs <= 2, f"{gemm}: {graphs} graphs for buckets {buckets}: a recompile per bucket"  # static, dynamic
         for row in range(ids.shape[0]):
