@@ -64,8 +64,8 @@ FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); 
 DECODE_GEMM = "torch"  # decode_forward's GEMMs: torch (cuBLAS; the compiler fuses norms, SiLU, residuals around them)
 #                | triton (decode_gemm.decode_linear: RMSNorm, RoPE, SiLU*up, residual inside the GEMM's launch,
 #                  for buckets of up to TRITON_GEMM_MAX_ROWS slots; larger ones run cuBLAS on the same weights)
-TRITON_GEMM_MAX_ROWS = 16  # on an H200 (1.5B) decode_linear's step is faster at 8 and 16 rows (1.75 / 1.86 ms against
-#                            1.93 / 1.99), slower from 32 (2.17 against 2.08; BENCHMARKS, the decode-floor levers)
+TRITON_GEMM_MAX_ROWS = 16  # H200, 1.5B: with decode_linear a step takes 1.83 / 1.81 ms at 16 / 8 rows against 2.00 /
+#                            1.93; from 32 rows it was the slower (2.17 against 2.08; BENCHMARKS, the decode floor)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose inv_freq never changes (not dynamic NTK)
 LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl, decode path (tests, benchmarks)
 
