@@ -16,7 +16,8 @@ A decode step of B*G rows must read every weight once plus every live row's K/V.
    o_proj, activation, down_proj, LM head) but q|k|v as one GEMM and gate|up as another, on weights concatenated
    once per call (FUSE; 7 GEMMs a layer become 4). DECODE_GEMM = "triton" runs those 4 as decode_gemm's
    decode_linear, with the norms, RoPE, SiLU-mul and residual adds inside their launches, in buckets of up to
-   TRITON_GEMM_MAX_ROWS slots (opt-in: faster there, slower above, where cuBLAS runs on the same weights).
+   TRITON_GEMM_MAX_ROWS slots (opt-in: faster there; larger buckets, where it was slower, run cuBLAS on the same
+   weights).
 
 Each decode step (model forward, sampling, bookkeeping) is one CUDA graph replay; the host only checks "done" every
 CHECK_EVERY steps. Sampling needs no host sync either (decode_kernels.py: inverse-CDF Triton kernels, or torch ops
@@ -431,14 +432,13 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                      for layer, (w_qkv, b_qkv, w_gu, b_gu, *rest) in zip(model.model.layers, fused)]
         LAST.clear()
         LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None, gemm=gemm,
-                    gemms=[], rope="epilogue" if rope else "torch")  # (gemms: each bucket's, triton or folded)
+                    gemms=[], rope="epilogue" if rope else "torch")  # (gemms: each bucket's: torch, triton or folded)
 
         def make_step(sl):
             # (the attention op picks the split count for the slots it gets; rope: epilogue_rope's fields)
-            few = sl.rows.shape[0] <= TRITON_GEMM_MAX_ROWS  # the triton GEMMs' buckets; cuBLAS on folded W above
+            big = gemm == "triton" and sl.rows.shape[0] > TRITON_GEMM_MAX_ROWS  # (cuBLAS on the folded W)
             st = SimpleNamespace(layers=layers, rows=sl.rows, done=sl.done, start=start, slot=slot, G=G,
-                                 impl=attn_impl, gemm="folded" if gemm == "triton" and not few else gemm,
-                                 **(rope or dict(rope=None)))
+                                 impl=attn_impl, gemm="folded" if big else gemm, **(rope or dict(rope=None)))
             LAST["gemms"].append(st.gemm)
 
             def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)
