@@ -5,6 +5,7 @@ CPU: a smoke run on a tiny model):
     python bench_rollout.py [WORKLOAD ...] [--no-hf]   # uniform, ragged, uniform-1.5B, trainer; --no-hf: ours only
     python bench_rollout.py rows [0.5B] [1.5B]         # ms per decode step at 128..8 live rows vs its roofline
     python bench_rollout.py gemms [sweep]              # each decode GEMM alone: cuBLAS, decode_linear (+ its tiles)
+    python bench_rollout.py attention [sweep]          # the decode attention alone at long contexts (+ its tiles)
     python bench_rollout.py profile [1.5B]             # one decode step, kernel by kernel (torch.profiler)
     python bench_rollout.py lora [MODEL_DIR]           # decode tok/s with LoRA adapters folded in vs without
 
@@ -292,6 +293,69 @@ def bench_gemms(sweep=False):
                 print(line, flush=True)
 
 
+def bench_attention(sweep=False, P=512):
+    """`python bench_rollout.py attention [sweep]`: the decode attention alone (the split kernel and the merge, one
+    layer of the uniform workloads: groups of 16 rows sharing a P-token prompt) at 128 and 8 live rows and a context
+    of t written columns, against the time its bytes take: each row's own t columns and each group's prompt once
+    (K and V), at the datasheet bandwidth. Long completions make this most of a step: at the 1.5B shape, 128 rows and
+    t = 2048, a layer's K/V are ~270 MB against 110 MB of weights. Timed from a CUDA graph over copies of the caches
+    that overflow L2, as a step's layers do; sweep: also (BLOCK_N, stages, warps, split waves), the best printed."""
+    import itertools
+    from types import SimpleNamespace
+    from triton.testing import do_bench_cudagraph
+    dk = decode_kernels
+    bw = spec_bandwidth() or copy_bandwidth() or math.nan
+    dt = torch.bfloat16 if CUDA else torch.float32
+    print(f"decode attention alone, P={P}; bytes = (own columns + prompt once a group) K/V / {bw / 1e12:.2f} TB/s; "
+          f"now: BLOCK_N {dk.BLOCK_N}, warps {dk.NUM_WARPS}, split waves {dk.SPLIT_WAVES}")
+    print(f"{'model':>5} {'rows':>4} {'t':>5} {'splits':>6} {'stages':>6} | {'MB':>6} {'bytes us':>8} | {'us':>7} "
+          f"{'frac':>5} | {'err':>7}" + (f" | {'best us':>7} {'frac':>5} {'best (BLOCK_N, stages, warps, waves)':>36}"
+                             if sweep else ""))
+    for shape in ("0.5B", "1.5B") if CUDA else ("tiny",):
+        c = SHAPES[shape]
+        h, kvh = c["num_attention_heads"], c["num_key_value_heads"]
+        D = c["hidden_size"] // h
+        for n, t in itertools.product((128, 8), (512, 2048, 4096) if CUDA else (40,)):
+            G = min(n, 16)
+            B, T = n // G, t + 8
+            per_layer = (n * (t + 1) + B * P) * kvh * D * 2 * 2  # K and V
+            layers = [[torch.randn(B, kvh, P, D, device=DEV, dtype=dt), torch.randn(B, kvh, P, D, device=DEV, dtype=dt),
+                       torch.randn(n, kvh, T, D, device=DEV, dtype=dt), torch.randn(n, kvh, T, D, device=DEV, dtype=dt)]
+                      for _ in range(max(2, min(8, 2**28 // per_layer + 1)) if CUDA else 1)]
+            q = torch.randn(n, h, 1, D, device=DEV, dtype=dt)
+            kv = torch.randn(n, kvh, 1, D, device=DEV, dtype=dt)
+            st = SimpleNamespace(rows=torch.arange(n, device=DEV), done=torch.zeros(n, dtype=torch.bool, device=DEV),
+                                 start=torch.zeros(B, dtype=torch.int32, device=DEV),
+                                 slot=torch.full((1,), t, dtype=torch.long, device=DEV), G=G)
+            cycle = itertools.cycle(layers)
+
+            def run():
+                st.splits = dk.num_splits(n, kvh, q.device)
+                return dk.decode_attention_triton(q, kv, kv, next(cycle), st, D ** -0.5)
+            ref = dk.decode_attention_torch(q, kv, kv, layers[0], st, D ** -0.5).float()
+            out = run().float()  # (layers[0]: the cycle starts there)
+            err = ((out - ref).abs().max() / ref.abs().max()).item()
+            us = lambda: do_bench_cudagraph(run, rep=30) * 1e3 if CUDA else math.nan  # noqa
+            ideal = per_layer / bw * 1e6
+            tt = us()
+            line = (f"{shape:>5} {n:>4} {t:>5} {dk.num_splits(n, kvh, q.device):>6} {dk.stage_count(D):>6} | "
+                    f"{per_layer / 1e6:>6.1f} "
+                    f"{ideal:>8.1f} | {tt:>7.1f} {ideal / tt:>5.2f} | {err:>7.1e}")
+            if sweep and CUDA:
+                now = (dk.BLOCK_N, dk.NUM_STAGES, dk.NUM_WARPS, dk.SPLIT_WAVES)
+                best = (tt, now)
+                for trial in itertools.product((32, 64, 128), (2, 3, 4), (4, 8), (1, 2, 4, 8)):
+                    if trial[0] * D * 2 * 2 * trial[1] > 200 * 1024:
+                        continue
+                    dk.BLOCK_N, dk.NUM_STAGES, dk.NUM_WARPS, dk.SPLIT_WAVES = trial
+                    best = min(best, (us(), trial))
+                dk.BLOCK_N, dk.NUM_STAGES, dk.NUM_WARPS, dk.SPLIT_WAVES = now
+                line += f" | {best[0]:>7.1f} {ideal / best[0]:>5.2f} {str(best[1]):>36}"
+            print(line, flush=True)
+            del layers
+            sync()
+
+
 def bench_profile(shape="1.5B", row_counts=(128, 32, 8), P=64, T=512):
     """`python bench_rollout.py profile [SHAPE]`: where a decode step's time goes, kernel by kernel (torch.profiler over
     one whole generate_groups call after a warm-up call; CUDA graphs and the compiled forward as in training; no EOS,
@@ -392,6 +456,8 @@ if __name__ == "__main__":
     argv = set_globals(sys.argv[1:])
     if argv[:1] == ["gemms"]:
         bench_gemms(sweep="sweep" in argv)
+    elif argv[:1] == ["attention"]:
+        bench_attention(sweep="sweep" in argv)
     elif argv[:1] == ["rows"]:
         bench_rows(tuple(argv[1:]) or ("0.5B", "1.5B"))
     elif argv[:1] == ["lora"]:

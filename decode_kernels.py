@@ -25,7 +25,10 @@ import triton
 import triton.language as tl
 
 BLOCK_N = 64  # keys per block in the split kernel
-NUM_WARPS, NUM_STAGES = 4, 3  # the split kernel's launch
+NUM_WARPS = 4  # the split kernel's launch
+NUM_STAGES = None  # its K/V pipeline depth; None: 3 at D = 64, 2 at D = 128 (stage_count). On an H200 (bench_rollout
+#                    attention, 128 rows, t = 2048): 1.5B 73 us against 87 with 3 stages (three programs an SM in
+#                    shared memory instead of two); 0.5B 42-46 us either way
 SPLIT_WAVES = 2  # key splits: enough (slot, K/V head, split) programs to fill the GPU this many times over
 MERGE_IN_SPLIT = False  # the last split of each (slot, K/V head) merges (no merge kernel). Off: on an H200 at 8 rows
 #                        the split kernel then took 23 us against 7 + 1.5 (many splits, one merger; BENCHMARKS)
@@ -185,6 +188,12 @@ def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.co
     tl.store(out_ptr + pid * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+def stage_count(D):
+    """the split kernel's pipeline depth: NUM_STAGES, or as many stages (2 to 3) as keep a program's K/V buffers
+    (stages x BLOCK_N x D x K and V x 2 bytes) within 64 KB, so that three programs fit an SM's shared memory"""
+    return NUM_STAGES or max(2, min(3, 64 * 1024 // (BLOCK_N * D * 2 * 2)))
+
+
 def decode_attention_triton(q, k_new, v_new, layer, st, scale):
     """q (n, h, 1, D), k_new/v_new (n, kvh, 1, D) -> (n, 1, h, D); writes k_new/v_new into the cache at st.slot"""
     n, h, _, D = q.shape
@@ -206,7 +215,7 @@ def decode_attention_triton(q, k_new, v_new, layer, st, scale):
         pk.stride(0), pk.stride(1), pk.stride(2), ck.stride(0), ck.stride(1), ck.stride(2),
         QPK=QPK, QPK_PAD=max(16, triton.next_power_of_2(QPK)), D=D, BLOCK_N=BLOCK_N, SPLITS=S, MERGE=merge,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # an fp32 model gets fp32 attention, not TF32
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl_launch(q.device))
+        num_warps=NUM_WARPS, num_stages=stage_count(D), **pdl_launch(q.device))
     if S > 1 and not merge:
         _decode_merge_kernel[(n * h,)](o, lse, out, D=D, SPLITS=S, num_warps=1, **pdl_launch(q.device))
     return out
