@@ -307,8 +307,7 @@ def bench_attention(sweep=False, P=512):
     bw = spec_bandwidth() or copy_bandwidth() or math.nan
     dt = torch.bfloat16 if CUDA else torch.float32
     print(f"decode attention alone, P={P}; bytes = (own columns + prompt once a group) K/V / {bw / 1e12:.2f} TB/s; "
-          f"now: BLOCK_N {dk.BLOCK_N}, warps {dk.NUM_WARPS}, split waves {dk.SPLIT_WAVES}, the prompt once a "
-          f"{'group' if dk.PREFIX_ONCE else 'row'} (PREFIX_ONCE)")
+          f"now: BLOCK_N {dk.BLOCK_N}, warps {dk.NUM_WARPS}, split waves {dk.SPLIT_WAVES}")
     print(f"{'model':>5} {'rows':>4} {'t':>5} {'splits':>6} {'stages':>6} | {'MB':>6} {'bytes us':>8} | {'us':>7} "
           f"{'frac':>5} | {'err':>7}" + (f" | {'best us':>7} {'frac':>5} {'best (BLOCK_N, stages, warps, waves)':>36}"
                              if sweep else ""))
@@ -328,7 +327,6 @@ def bench_attention(sweep=False, P=512):
             st = SimpleNamespace(rows=torch.arange(n, device=DEV), done=torch.zeros(n, dtype=torch.bool, device=DEV),
                                  start=torch.zeros(B, dtype=torch.int32, device=DEV),
                                  slot=torch.full((1,), t, dtype=torch.long, device=DEV), G=G)
-            st.groups = dk.group_slots(st.rows, B, G)
             cycle = itertools.cycle(layers)
 
             def run():

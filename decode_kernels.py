@@ -14,8 +14,7 @@ The decode step's kernels, each beside its torch reference (rollout.py is the en
    behind HF's top-k/top-p warpers (sample); both draw k with probability p_k (torch.multinomial would sync).
 
 The decode state the attention reads (st): rows (n,) the cache row of each slot, done (n,) finished slots, start (B,)
-each prompt's first real column, slot (1,) this step's completion column, groups (B, G) each row's slot
-(group_slots), G, and the split count.
+each prompt's first real column, slot (1,) this step's completion column, G, and the split count.
 """
 import math
 import os
@@ -31,8 +30,6 @@ NUM_STAGES = None  # its K/V pipeline depth; None: 3 at D = 64, 2 at D = 128 (st
 #                    attention, 128 rows, t = 2048): 1.5B 73 us against 87 with 3 stages (three programs an SM in
 #                    shared memory instead of two); 0.5B 42-46 us either way
 SPLIT_WAVES = 2  # key splits: enough (slot, K/V head, split) programs to fill the GPU this many times over
-PREFIX_ONCE = True  # a group's prompt K/V are read once for its G rows (_decode_prefix_kernel), not once a row
-PREFIX_ROWS = 128  # query rows (a group's slots x the query heads of a K/V head) in one prefix program's tl.dot
 MERGE_IN_SPLIT = False  # the last split of each (slot, K/V head) merges (no merge kernel). Off: on an H200 at 8 rows
 #                        the split kernel then took 23 us against 7 + 1.5 (many splits, one merger; BENCHMARKS)
 PDL = False  # Hopper's programmatic dependent launch for these kernels and decode_gemm's: each may be launched while
@@ -103,22 +100,17 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_p
                          stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                          stride_pb, stride_ph, stride_pl, stride_cn, stride_ch, stride_cl,
                          QPK: tl.constexpr, QPK_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         SPLITS: tl.constexpr, S_TOT: tl.constexpr, PREFIX: tl.constexpr,
-                         PRECISION: tl.constexpr, MERGE: tl.constexpr, USE_GDC: tl.constexpr):
+                         SPLITS: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr,
+                         USE_GDC: tl.constexpr):
     """program (slot, kv head, split): the QPK query heads of one K/V head against one contiguous range [lo, hi) of
-    the row's keys, numbered [prompt's real columns | completion columns 0..t] (PREFIX), or the completion columns
-    only (the prefix kernel did the prompt); t = slot_ptr[0] is this step's column. The split that owns column t
-    first stores this step's K/V there (knew/vnew). Partials: S_TOT a (slot, head), this kernel's SPLITS first.
-    MERGE (S_TOT > 1): no merge kernel; the split that arrives last at its (slot, kv head) counter merges the
-    partials, in split order."""
+    the row's keys, numbered [prompt's real columns | completion columns 0..t]; t = slot_ptr[0] is this step's
+    column. The split that owns column t first stores this step's K/V there (knew/vnew). MERGE (SPLITS > 1): no
+    merge kernel; the split that arrives last at its (slot, kv head) counter merges the partials, in split order."""
     _wait_for_previous_kernel(USE_GDC)
     pid_n, pid_h, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = tl.load(rows_ptr + pid_n).to(tl.int64)
     b = row // G
-    if PREFIX:
-        n_pre = P - tl.load(start_ptr + b)  # the prompt's real (unpadded) columns
-    else:
-        n_pre = 0
+    n_pre = P - tl.load(start_ptr + b)  # the prompt's real (unpadded) columns
     t = tl.load(slot_ptr)
     total = n_pre + t + 1
     per = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N  # keys per split, whole blocks
@@ -142,21 +134,20 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_p
     acc = tl.zeros([QPK_PAD, D], tl.float32)
     # keys [lo, hi) in the prompt: columns P - n_pre + j of the shared prefix (b, kvh); then in the completion:
     # columns j - n_pre of this row's cache
-    if PREFIX:
-        p_base = b * stride_pb + pid_h * stride_ph + (P - n_pre) * stride_pl
-        m_i, l_i, acc = _attend_columns(pk_ptr, pv_ptr, p_base, stride_pl, lo, tl.minimum(hi, n_pre), q, m_i, l_i,
-                                        acc, qk_scale, D, BLOCK_N, PRECISION)
+    p_base = b * stride_pb + pid_h * stride_ph + (P - n_pre) * stride_pl
+    m_i, l_i, acc = _attend_columns(pk_ptr, pv_ptr, p_base, stride_pl, lo, tl.minimum(hi, n_pre), q, m_i, l_i, acc,
+                                    qk_scale, D, BLOCK_N, PRECISION)
     m_i, l_i, acc = _attend_columns(ck_ptr, cv_ptr, c_off, stride_cl, tl.maximum(lo - n_pre, 0), hi - n_pre, q, m_i,
                                     l_i, acc, qk_scale, D, BLOCK_N, PRECISION)
     l_safe = tl.where(l_i > 0, l_i, 1.)
     nh = pid_n * (QPK * tl.num_programs(1)) + heads  # flat (slot, head)
-    if S_TOT == 1:  # the only split: write the output itself, (n, 1, h, D)
+    if SPLITS == 1:  # the only split: write the output itself, (n, 1, h, D)
         tl.store(out_ptr + nh[:, None] * D + offs_d[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
                  mask=q_ok[:, None])
     else:
-        tl.store(o_ptr + (nh * S_TOT + pid_s)[:, None] * D + offs_d[None, :], acc / l_safe[:, None],
+        tl.store(o_ptr + (nh * SPLITS + pid_s)[:, None] * D + offs_d[None, :], acc / l_safe[:, None],
                  mask=q_ok[:, None])
-        tl.store(lse_ptr + nh * S_TOT + pid_s, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=q_ok)
+        tl.store(lse_ptr + nh * SPLITS + pid_s, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=q_ok)
         if MERGE:
             tile = pid_n * tl.num_programs(1) + pid_h
             tl.debug_barrier()  # every thread's partials are written before the (one-thread) release below
@@ -164,17 +155,17 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_p
             tl.debug_barrier()  # and every thread reads the others' partials after its acquire
             if last:  # _decode_merge_kernel's sum for this tile's QPK heads, split by split
                 m = tl.full([QPK_PAD], float("-inf"), tl.float32)
-                for s in range(S_TOT):
-                    m = tl.maximum(m, tl.load(lse_ptr + nh * S_TOT + s, mask=q_ok, other=float("-inf"),
+                for s in range(SPLITS):
+                    m = tl.maximum(m, tl.load(lse_ptr + nh * SPLITS + s, mask=q_ok, other=float("-inf"),
                                               cache_modifier=".cg"))
                 m = tl.where(m > float("-inf"), m, 0.)
                 den = tl.zeros([QPK_PAD], tl.float32)
                 out = tl.zeros([QPK_PAD, D], tl.float32)
-                for s in range(S_TOT):
-                    lse_s = tl.load(lse_ptr + nh * S_TOT + s, mask=q_ok, other=float("-inf"), cache_modifier=".cg")
+                for s in range(SPLITS):
+                    lse_s = tl.load(lse_ptr + nh * SPLITS + s, mask=q_ok, other=float("-inf"), cache_modifier=".cg")
                     w = tl.where(lse_s > float("-inf"), tl.exp2(lse_s - m), 0.)
                     den += w
-                    out += w[:, None] * tl.load(o_ptr + (nh * S_TOT + s)[:, None] * D + offs_d[None, :],
+                    out += w[:, None] * tl.load(o_ptr + (nh * SPLITS + s)[:, None] * D + offs_d[None, :],
                                                 mask=q_ok[:, None], other=0., cache_modifier=".cg")
                 tl.store(out_ptr + nh[:, None] * D + offs_d[None, :],
                          (out / tl.where(den > 0, den, 1.)[:, None]).to(out_ptr.dtype.element_ty), mask=q_ok[:, None])
@@ -182,60 +173,16 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_p
 
 
 @triton.jit
-def _decode_prefix_kernel(q_ptr, pk_ptr, pv_ptr, done_ptr, start_ptr, groups_ptr, o_ptr, lse_ptr, G, P, qk_scale,
-                          stride_qn, stride_qh, stride_pb, stride_ph, stride_pl,
-                          QPK: tl.constexpr, GB: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
-                          BLOCK_N: tl.constexpr, S_OWN: tl.constexpr, S_PRE: tl.constexpr, S_TOT: tl.constexpr,
-                          PRECISION: tl.constexpr, USE_GDC: tl.constexpr):
-    """program (group b x block of its slots, kv head, prompt split): the query heads of one K/V head for GB of
-    group b's slots, BM >= GB * QPK query rows in one tl.dot, against one range of the group's shared prompt
-    columns: the prompt's K/V are read once a group, where the split kernel read them once a row (G times). Writes
-    partial S_OWN + split of each of those (slot, head)s (lse -inf for a finished slot or an empty range); the merge
-    folds it in with the split kernel's own-column partials. groups (B, G): the slot of each row (-1: none here)."""
-    _wait_for_previous_kernel(USE_GDC)
-    pid_b, pid_h, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    MB = tl.cdiv(G, GB)  # slot blocks a group
-    b, mb = (pid_b // MB).to(tl.int64), pid_b % MB
-    offs_m = tl.arange(0, BM)
-    g = mb * GB + offs_m // QPK  # each query row's place in the group; its head:
-    heads = pid_h * QPK + offs_m % QPK
-    ok = (offs_m < GB * QPK) & (g < G)
-    slot = tl.load(groups_ptr + b * G + g, mask=ok, other=-1).to(tl.int64)
-    ok = ok & (slot >= 0)  # the row has a slot in this bucket
-    live = ok & (tl.load(done_ptr + slot, mask=ok, other=1) == 0)
-    n_pre = P - tl.load(start_ptr + b)  # the prompt's real (unpadded) columns
-    per = tl.cdiv(tl.cdiv(n_pre, S_PRE), BLOCK_N) * BLOCK_N
-    lo = pid_s * per
-    hi = tl.minimum(lo + per, n_pre)
-    hi = tl.where(tl.max(live.to(tl.int32), 0) > 0, hi, lo)  # no live row in this block: read nothing
-    offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + slot[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :], mask=live[:, None],
-                other=0.)  # (BM, D)
-    m_i = tl.full([BM], float("-inf"), tl.float32)
-    l_i = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, D], tl.float32)
-    p_base = b * stride_pb + pid_h * stride_ph + (P - n_pre) * stride_pl
-    m_i, l_i, acc = _attend_columns(pk_ptr, pv_ptr, p_base, stride_pl, lo, hi, q, m_i, l_i, acc, qk_scale, D, BLOCK_N,
-                                    PRECISION)
-    l_safe = tl.where(l_i > 0, l_i, 1.)
-    part = (slot * (QPK * tl.num_programs(1)) + heads) * S_TOT + S_OWN + pid_s  # (BM,) flat (slot, head, partial)
-    tl.store(o_ptr + part[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=ok[:, None])
-    tl.store(lse_ptr + part, tl.where(live & (l_i > 0), m_i + tl.log2(l_safe), float("-inf")), mask=ok)
-
-
-@triton.jit
-def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, D: tl.constexpr, S_TOT: tl.constexpr, S_PAD: tl.constexpr,
-                         USE_GDC: tl.constexpr):
-    """program (slot*h + head): merge the S_TOT partial outputs by their log-sum-exp (log2 units)"""
+def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr, USE_GDC: tl.constexpr):
+    """program (slot*h + head): merge the SPLITS partial outputs by their log-sum-exp (log2 units)"""
     _wait_for_previous_kernel(USE_GDC)
     pid = tl.program_id(0)
-    offs_s = tl.arange(0, S_PAD)
+    offs_s = tl.arange(0, SPLITS)
     offs_d = tl.arange(0, D)
-    s_ok = offs_s < S_TOT
-    lse = tl.load(lse_ptr + pid * S_TOT + offs_s, mask=s_ok, other=float("-inf"))
+    lse = tl.load(lse_ptr + pid * SPLITS + offs_s)
     m = tl.max(lse, 0)
-    w = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(m > float("-inf"), m, 0.)), 0.)  # (S_PAD,)
-    o = tl.load(o_ptr + (pid * S_TOT + offs_s)[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(m > float("-inf"), m, 0.)), 0.)  # (SPLITS,)
+    o = tl.load(o_ptr + (pid * SPLITS + offs_s)[:, None] * D + offs_d[None, :])
     den = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(den > 0, den, 1.)
     tl.store(out_ptr + pid * D + offs_d, out.to(out_ptr.dtype.element_ty))
@@ -247,53 +194,30 @@ def stage_count(D):
     return NUM_STAGES or max(2, min(3, 64 * 1024 // (BLOCK_N * D * 2 * 2)))
 
 
-def group_slots(rows, B, G):
-    """(B, G) int32: the slot of each row in a bucket whose slot -> row map is rows (n,), -1 where a row has none;
-    the prefix kernel's way from a group to its slots (built once a bucket, not a step)"""
-    return torch.full((B * G,), -1, dtype=torch.int32, device=rows.device).index_copy_(
-        0, rows, torch.arange(rows.shape[0], dtype=torch.int32, device=rows.device)).view(B, G)
-
-
 def decode_attention_triton(q, k_new, v_new, layer, st, scale):
-    """q (n, h, 1, D), k_new/v_new (n, kvh, 1, D) -> (n, 1, h, D); writes k_new/v_new into the cache at st.slot.
-    PREFIX_ONCE: the prefix kernel takes each group's prompt (st.groups, group_slots), the split kernel each row's
-    own columns; else the split kernel walks both."""
+    """q (n, h, 1, D), k_new/v_new (n, kvh, 1, D) -> (n, 1, h, D); writes k_new/v_new into the cache at st.slot"""
     n, h, _, D = q.shape
     kvh = k_new.shape[1]
     pk, pv, ck, cv = layer
     assert q.stride(-1) == k_new.stride(-1) == v_new.stride(-1) == pk.stride(-1) == ck.stride(-1) == 1 and \
         pk.stride() == pv.stride() and ck.stride() == cv.stride()  # (k_new and v_new may differ: views of q|k|v)
-    B, P = pk.shape[0], pk.shape[2]
-    QPK = h // kvh
-    GB = max(1, min(st.G, PREFIX_ROWS // QPK))  # slots a prefix program: its BM query rows
-    blocks = B * triton.cdiv(st.G, GB)
     S = st.splits
-    S_PRE = prefix_splits(blocks * kvh, P, q.device) if PREFIX_ONCE else 0
-    S_TOT = S + S_PRE
     out = torch.empty(n, 1, h, D, dtype=q.dtype, device=q.device)
-    o = torch.empty(n, h, S_TOT, D, dtype=torch.float32, device=q.device) if S_TOT > 1 else out
-    lse = torch.empty(n, h, S_TOT, dtype=torch.float32, device=q.device) if S_TOT > 1 else out
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # an fp32 model gets fp32 attention, not TF32
-    if S_PRE:
-        BM = max(16, triton.next_power_of_2(GB * QPK))
-        _decode_prefix_kernel[(blocks, kvh, S_PRE)](
-            q, pk, pv, st.done, st.start, st.groups, o, lse, st.G, P, scale * 1.4426950408889634, q.stride(0),
-            q.stride(1), pk.stride(0), pk.stride(1), pk.stride(2), QPK=QPK, GB=GB, BM=BM, D=D, BLOCK_N=BLOCK_N,
-            S_OWN=S, S_PRE=S_PRE, S_TOT=S_TOT, PRECISION=precision, num_warps=8 if BM * D >= 128 * 128 else 4,
-            num_stages=stage_count(D), **pdl_launch(q.device))
-    merge = MERGE_IN_SPLIT and S_TOT > 1
+    o = torch.empty(n, h, S, D, dtype=torch.float32, device=q.device) if S > 1 else out
+    lse = torch.empty(n, h, S, dtype=torch.float32, device=q.device) if S > 1 else out
+    QPK = h // kvh
+    merge = MERGE_IN_SPLIT and S > 1
     count = counters(q.device, n * kvh) if merge else out
     _decode_split_kernel[(n, kvh, S)](
-        q, k_new, v_new, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot, o, lse, out, count, st.G, P,
+        q, k_new, v_new, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot, o, lse, out, count, st.G, pk.shape[2],
         scale * 1.4426950408889634, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1),
         pk.stride(0), pk.stride(1), pk.stride(2), ck.stride(0), ck.stride(1), ck.stride(2),
-        QPK=QPK, QPK_PAD=max(16, triton.next_power_of_2(QPK)), D=D, BLOCK_N=BLOCK_N, SPLITS=S, S_TOT=S_TOT,
-        PREFIX=not S_PRE, MERGE=merge, PRECISION=precision,
+        QPK=QPK, QPK_PAD=max(16, triton.next_power_of_2(QPK)), D=D, BLOCK_N=BLOCK_N, SPLITS=S, MERGE=merge,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # an fp32 model gets fp32 attention, not TF32
         num_warps=NUM_WARPS, num_stages=stage_count(D), **pdl_launch(q.device))
-    if S_TOT > 1 and not merge:
-        _decode_merge_kernel[(n * h,)](o, lse, out, D=D, S_TOT=S_TOT, S_PAD=triton.next_power_of_2(S_TOT),
-                                       num_warps=1, **pdl_launch(q.device))
+    if S > 1 and not merge:
+        _decode_merge_kernel[(n * h,)](o, lse, out, D=D, SPLITS=S, num_warps=1, **pdl_launch(q.device))
     return out
 
 
@@ -316,21 +240,20 @@ def decode_attention_torch(q, k_new, v_new, layer, st, scale):
 @torch.library.custom_op("nanogrpo::decode_attention", mutates_args=("ck", "cv"))
 def decode_attention_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pk: torch.Tensor,
                         pv: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, done: torch.Tensor,
-                        start: torch.Tensor, slot: torch.Tensor, groups: torch.Tensor, G: int, scale: float,
-                        impl: str) -> torch.Tensor:
+                        start: torch.Tensor, slot: torch.Tensor, G: int, scale: float, impl: str) -> torch.Tensor:
     """decode_forward's attention as a torch op: the decode state comes in as arguments (no global), and
     torch.compile traces the whole forward as one graph with this op inside it (it knows the op writes ck/cv),
     where a compiler-disabled function would break the graph at every layer. (n, 1, h, D), in pk's dtype: under
     autocast with fp32 weights RoPE hands back fp32 q/k beside a bf16 v, so all three are cast to the caches'."""
     dt = pk.dtype
-    st = SimpleNamespace(rows=rows, done=done, start=start, slot=slot, groups=groups, G=G,
+    st = SimpleNamespace(rows=rows, done=done, start=start, slot=slot, G=G,
                          splits=num_splits(rows.shape[0], pk.shape[1], q.device))
     fn = decode_attention_triton if impl == "triton" else decode_attention_torch
     return fn(q.to(dt), k_new.to(dt), v_new.to(dt), (pk, pv, ck, cv), st, scale).contiguous()
 
 
 @decode_attention_op.register_fake
-def _(q, k_new, v_new, pk, pv, ck, cv, rows, done, start, slot, groups, G, scale, impl):
+def _(q, k_new, v_new, pk, pv, ck, cv, rows, done, start, slot, G, scale, impl):
     n, h, _, D = q.shape
     return q.new_empty(n, 1, h, D, dtype=pk.dtype)
 
@@ -341,15 +264,6 @@ def num_splits(n, kvh, device):
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(64, triton.next_power_of_2(math.ceil(SPLIT_WAVES * sms / (n * kvh)))))
-
-
-def prefix_splits(programs, P, device):
-    """prompt splits for the prefix kernel's programs ((group, slot block) x K/V head): enough to fill the GPU once
-    (a prefix program's block is as large as a split program's), at most one a block of BLOCK_N prompt columns"""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(P, BLOCK_N), triton.next_power_of_2(math.ceil(sms / programs))))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from decode_gemm import decode_linear_op, fold_norm, rms_norm_torch  # noqa: F401 (decode_linear_op: registers the op)
-from decode_kernels import decode_attention_op, group_slots, sample, sample_triton
+from decode_kernels import decode_attention_op, sample, sample_triton
 from kv_reuse import positions, reuse_unsupported, trim_left_padding
 from lora import effective_weight
 
@@ -82,8 +82,8 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, **
     attention it does not know."""
     st = DECODE_STATE[-1]
     pk, pv, ck, cv = st.layers[module.layer_idx]
-    return decode_attention_op(query, key, value, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot, st.groups,
-                               st.G, scaling, st.impl), None
+    return decode_attention_op(query, key, value, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot, st.G, scaling,
+                               st.impl), None
 
 
 AttentionInterface.register("nanogrpo_decode", decode_attention)
@@ -278,8 +278,8 @@ def decode_forward(model, fused, st, tok, pos):
             trunk.layers, fused, st.layers)):
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = attention_inputs(st, i, layer, h, w_qkv, b_qkv, pos, cos, sin)  # (n, h, 1, D), (n, kvh, 1, D) x2
-        o = torch.ops.nanogrpo.decode_attention(q, k, v, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot,
-                                                st.groups, st.G, attn.scaling, st.impl)  # (n, 1, h, D)
+        o = torch.ops.nanogrpo.decode_attention(q, k, v, pk, pv, ck, cv, st.rows, st.done,
+                                                st.start, st.slot, st.G, attn.scaling, st.impl)  # (n, 1, h, D)
         h = project(st, o.reshape(n, 1, -1).to(h.dtype), w_o, b_o, residual=h)
         a = project(st, h, w_gu, b_gu, norm=layer.post_attention_layernorm, act=mlp.act_fn)  # (n, 1, I)
         h = project(st, a, w_down, b_down, residual=h)
@@ -438,8 +438,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
             # (the attention op picks the split count for the slots it gets; rope: epilogue_rope's fields)
             big = gemm == "triton" and sl.rows.shape[0] > TRITON_GEMM_MAX_ROWS  # (cuBLAS on the folded W)
             st = SimpleNamespace(layers=layers, rows=sl.rows, done=sl.done, start=start, slot=slot, G=G,
-                                 groups=group_slots(sl.rows, B, G), impl=attn_impl, gemm="folded" if big else gemm,
-                                 **(rope or dict(rope=None)))
+                                 impl=attn_impl, gemm="folded" if big else gemm, **(rope or dict(rope=None)))
             LAST["gemms"].append(st.gemm)
 
             def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)

@@ -6,7 +6,6 @@ With no GPU, Triton kernels run under TRITON_INTERPRET=1 (set here, before trito
 tl.dot is wrong on bfloat16 (triton #11584), so CPU parity runs fp32/fp16; bf16 is checked on the GPU only.
 """
 import contextlib
-import itertools
 import math
 import os
 import sys
@@ -614,8 +613,7 @@ def test_rollout_attention_kernel_vs_torch():
     """the split-K decode kernel == the torch reference on live slots (GQA groups of 2 and 4, 1 and 4 splits,
     left-padded prompts, a permuted slot -> row map, a finished slot, column 0 and a late column); it writes this
     step's K/V into the cache at the column, gives finished slots 0 and writes nothing for them. Split: merged by
-    the merge kernel, or by the last split to arrive (MERGE_IN_SPLIT; its counters back at 0 after). The prompt
-    read in the split kernel, or once a group in the prefix kernel (PREFIX_ONCE; blocks of slots, prompt splits)"""
+    the merge kernel, or by the last split to arrive (MERGE_IN_SPLIT; its counters back at 0 after)"""
     import rollout
     g = torch.Generator().manual_seed(0)
     for N, G, h, kvh, D, P, T, t, S in ((8, 4, 4, 2, 16, 20, 40, 30, 1), (8, 4, 4, 2, 16, 20, 40, 30, 4),
@@ -630,29 +628,22 @@ def test_rollout_attention_kernel_vs_torch():
                              slot=torch.tensor([t], device=DEVICE))
         q, k_new = rnd(n, 1, h, D).transpose(1, 2), rnd(n, kvh, 1, D)
         v_new = rnd(n, 1, 3 * kvh, D)[:, :, kvh:2 * kvh].transpose(1, 2)  # a slice of q|k|v: its own strides
-        st.groups = decode_kernels.group_slots(st.rows, B, G)
-        # the prompt: a row at a time in the split kernel (None), or a group at a time in the prefix kernel, all its
-        # slots in one program and one prompt split, or 2 slots a program and 3 splits
-        for merge, prefix in itertools.product((False, True), (None, (128, 1), (2 * h // kvh, 3))):
-            decode_kernels.MERGE_IN_SPLIT, decode_kernels.PREFIX_ONCE = merge, prefix is not None
-            rows_splits = (decode_kernels.PREFIX_ROWS, decode_kernels.prefix_splits)
-            if prefix:
-                decode_kernels.PREFIX_ROWS, decode_kernels.prefix_splits = prefix[0], lambda *_, s=prefix[1]: s
+        for merge in (False, True) if S > 1 else (False,):  # merge kernel, or the last split merges
+            decode_kernels.MERGE_IN_SPLIT = merge
             got_cache, want_cache = (ck.clone(), cv.clone()), (ck.clone(), cv.clone())
             try:
                 got = decode_kernels.decode_attention_triton(q, k_new, v_new, (pk, pv, *got_cache), st, D ** -0.5)
             finally:
-                decode_kernels.MERGE_IN_SPLIT, decode_kernels.PREFIX_ONCE = False, True
-                decode_kernels.PREFIX_ROWS, decode_kernels.prefix_splits = rows_splits
+                decode_kernels.MERGE_IN_SPLIT = False
             want = decode_kernels.decode_attention_torch(q, k_new, v_new, (pk, pv, *want_cache), st, D ** -0.5)
-            live, name = ~st.done, f"N={N} h={h} kvh={kvh} P={P} t={t} splits={S} merge in split {merge} {prefix}"
+            live, name = ~st.done, f"N={N} h={h} kvh={kvh} P={P} t={t} splits={S} merge in split {merge}"
             assert got.shape == (n, 1, h, D), name
             assert_close(got[live], want[live], 1e-5, name)
             assert (got[st.done] == 0).all(), f"{name}: finished slot not zero"
             for c, w, orig in zip(got_cache, want_cache, (ck, cv)):
                 assert torch.equal(c[st.rows[live]], w[st.rows[live]]), f"{name}: cache write"
                 assert torch.equal(c[st.rows[st.done]], orig[st.rows[st.done]]), f"{name}: wrote a finished row"
-            if merge and (S > 1 or prefix):  # (one partial in all: no merge)
+            if merge:
                 assert int(decode_kernels.COUNTERS[q.device].abs().sum()) == 0, f"{name}: counters not reset"
 
 
@@ -739,26 +730,12 @@ def _decode_linear_for_hopper():
                  cv_ptr="*bf16", rows_ptr="*i64", done_ptr="*i1", start_ptr="*i32", slot_ptr="*i64", o_ptr="*fp32",
                  lse_ptr="*fp32", out_ptr="*bf16", count_ptr="*i32", G="i32", P="i32", qk_scale="fp32",
                  **{a: "i32" for a in fn.arg_names if a.startswith("stride_")})
-    const = dict(QPK=6, QPK_PAD=16, D=128, BLOCK_N=64, SPLITS=8, S_TOT=16, PREFIX=False, PRECISION="tf32",
-                 MERGE=True, USE_GDC=True)
+    const = dict(QPK=6, QPK_PAD=16, D=128, BLOCK_N=64, SPLITS=8, PRECISION="tf32", MERGE=True, USE_GDC=True)
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a.endswith("_ptr")}
     k = triton.compile(ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}}, constexprs=const,
                                  attrs=attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4,
-                                                                                              num_stages=2))
+                                                                                              num_stages=3))
     assert "griddepcontrol.wait" in k.asm["ptx"] and "atom" in k.asm["ptx"], "attention: no PDL wait or counter"
-    fn = decode_kernels._decode_prefix_kernel  # a group's prompt: 16 slots x 6 heads, 128 query rows, 8 warps
-    types = dict(q_ptr="*bf16", pk_ptr="*bf16", pv_ptr="*bf16", done_ptr="*i1", start_ptr="*i32", groups_ptr="*i32",
-                 o_ptr="*fp32", lse_ptr="*fp32", G="i32", P="i32", qk_scale="fp32",
-                 **{a: "i32" for a in fn.arg_names if a.startswith("stride_")})
-    const = dict(QPK=6, GB=16, BM=128, D=128, BLOCK_N=64, S_OWN=2, S_PRE=8, S_TOT=10, PRECISION="tf32",
-                 USE_GDC=True)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a.endswith("_ptr") or
-             a in ("stride_pb", "stride_ph", "stride_pl")}
-    k = triton.compile(ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}}, constexprs=const,
-                                 attrs=attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8,
-                                                                                              num_stages=2))
-    assert k.metadata.shared <= 227 * 1024, f"prefix attention: {k.metadata.shared} bytes of shared memory"
-    assert "cp.async" in k.asm["ptx"], "prefix attention: K/V loop not pipelined"
 
 
 @check
@@ -767,8 +744,7 @@ def test_rollout_decode_linear_compiles_for_hopper():
     triton's own ptxas, no GPU), each of a layer's four GEMMs (q|k|v with RoPE and q/k norms) at 8 and 128 rows
     (o, down: also with split K) builds, fits the 227 KiB of shared memory, and its K loop is software-pipelined
     (cp.async stages: what a memory-bound GEMM needs), and under PDL prefetches its W, then waits for the kernel
-    before it; the attention kernel with its merge in the last split builds under PDL too, and the prefix attention
-    (128 query rows) fits and pipelines its K/V loop. The pointer/stride
+    before it; the attention kernel with its merge in the last split builds under PDL too. The pointer/stride
     divisibility the JIT would specialize on is given, as it is on a GPU."""
     import subprocess
     res = subprocess.run([sys.executable, "-c", "import test_all; test_all._decode_linear_for_hopper()"],
