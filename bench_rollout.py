@@ -3,7 +3,7 @@ Benchmark of rollout.py's generate_groups against the HBM roofline (GPU: random-
 CPU: a smoke run on a tiny model):
 
     python bench_rollout.py [WORKLOAD ...] [--no-hf]   # uniform, ragged, uniform-1.5B, trainer; --no-hf: ours only
-    python bench_rollout.py rows [0.5B] [1.5B]         # ms per decode step at 128..8 live rows vs its roofline
+    python bench_rollout.py rows [0.5B] [1.5B] [ROWS]  # ms per decode step at 128..8 (or ROWS) live rows vs roofline
     python bench_rollout.py gemms [sweep]              # each decode GEMM alone: cuBLAS, decode_linear (+ its tiles)
     python bench_rollout.py attention [sweep]          # the decode attention alone at long contexts (+ its tiles)
     python bench_rollout.py profile [1.5B]             # one decode step, kernel by kernel (torch.profiler)
@@ -458,8 +458,9 @@ if __name__ == "__main__":
         bench_gemms(sweep="sweep" in argv)
     elif argv[:1] == ["attention"]:
         bench_attention(sweep="sweep" in argv)
-    elif argv[:1] == ["rows"]:
-        bench_rows(tuple(argv[1:]) or ("0.5B", "1.5B"))
+    elif argv[:1] == ["rows"]:  # shapes and row counts in any order: rows 1.5B 16 8
+        bench_rows(tuple(a for a in argv[1:] if not a.isdigit()) or ("0.5B", "1.5B"),
+                   tuple(int(a) for a in argv[1:] if a.isdigit()) or (128, 64, 32, 16, 8))
     elif argv[:1] == ["lora"]:
         bench_lora(*argv[1:2])
     elif argv[:1] == ["profile"]:
