@@ -308,9 +308,9 @@ def bench_attention(sweep=False, P=512):
     dt = torch.bfloat16 if CUDA else torch.float32
     print(f"decode attention alone, P={P}; bytes = (own columns + prompt once a group) K/V / {bw / 1e12:.2f} TB/s; "
           f"now: BLOCK_N {dk.BLOCK_N}, warps {dk.NUM_WARPS}, split waves {dk.SPLIT_WAVES}")
+    best_hdr = f" | {'best us':>7} {'frac':>5} {'best (BLOCK_N, stages, warps, waves)':>36}" if sweep else ""
     print(f"{'model':>5} {'rows':>4} {'t':>5} {'splits':>6} {'stages':>6} | {'MB':>6} {'bytes us':>8} | {'us':>7} "
-          f"{'frac':>5} | {'err':>7}" + (f" | {'best us':>7} {'frac':>5} {'best (BLOCK_N, stages, warps, waves)':>36}"
-                             if sweep else ""))
+          f"{'frac':>5} | {'err':>7}{best_hdr}")
     for shape in ("0.5B", "1.5B") if CUDA else ("tiny",):
         c = SHAPES[shape]
         h, kvh = c["num_attention_heads"], c["num_key_value_heads"]
@@ -339,8 +339,7 @@ def bench_attention(sweep=False, P=512):
             ideal = per_layer / bw * 1e6
             tt = us()
             line = (f"{shape:>5} {n:>4} {t:>5} {dk.num_splits(n, kvh, q.device):>6} {dk.stage_count(D):>6} | "
-                    f"{per_layer / 1e6:>6.1f} "
-                    f"{ideal:>8.1f} | {tt:>7.1f} {ideal / tt:>5.2f} | {err:>7.1e}")
+                    f"{per_layer / 1e6:>6.1f} {ideal:>8.1f} | {tt:>7.1f} {ideal / tt:>5.2f} | {err:>7.1e}")
             if sweep and CUDA:
                 now = (dk.BLOCK_N, dk.NUM_STAGES, dk.NUM_WARPS, dk.SPLIT_WAVES)
                 best = (tt, now)

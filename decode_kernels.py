@@ -190,7 +190,8 @@ def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.co
 
 def stage_count(D):
     """the split kernel's pipeline depth: NUM_STAGES, or as many stages (2 to 3) as keep a program's K/V buffers
-    (stages x BLOCK_N x D x K and V x 2 bytes) within 64 KB, so that three programs fit an SM's shared memory"""
+    (stages x BLOCK_N x D x K and V x 2 bytes, bf16) within 64 KB, so that three or more programs fit an SM's
+    shared memory (228 KB)"""
     return NUM_STAGES or max(2, min(3, 64 * 1024 // (BLOCK_N * D * 2 * 2)))
 
 
