@@ -266,7 +266,8 @@ def _fmt(r):
     head = f"{r['shape']:<13} {r['impl']:<8}"
     if r.get("oom"):
         return f"{head} {'OOM':>9}"
-    errs = " ".join("      n/a" if r[k] is None else f"{r[k]:9.2e}" for k in ("err_logp", "err_ent", "err_dh", "err_dw"))
+    errs = " ".join("      n/a" if r[k] is None else f"{r[k]:9.2e}"
+                    for k in ("err_logp", "err_ent", "err_dh", "err_dw"))
     return f"{head} {r['ms']:9.2f} {r['floor_ms']:9.2f} {r['ratio']:6.3f} {_gib(r['peak_gib']):>8} {errs}"
 
 

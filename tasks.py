@@ -135,8 +135,8 @@ def countdown_prompts(n, seed, difficulty):
             expr = f"({expr} {op} {x})"
             target = target + x if op == "+" else target - x if op == "-" else target * x
         if 0 < target <= 200:
-            q = (f"Using the numbers {nums}, each exactly once, and + - * / ( ), write an expression equal to {target}. "
-                 f"End your reply with: The answer is EXPRESSION.")
+            q = (f"Using the numbers {nums}, each exactly once, and + - * / ( ), write an expression equal to "
+                 f"{target}. End your reply with: The answer is EXPRESSION.")
             out.append((q, (tuple(sorted(nums)), target)))
     return out
 

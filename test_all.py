@@ -812,8 +812,8 @@ def test_rollout_logprobs_are_the_samplers():
         name = f"T={temperature} top_p={top_p}"
         assert (logp[mask == 0] == 0).all(), f"{name}: padding log-prob not 0"
         assert_close(logp, want, 1e-4, name)
-    hf = rollout.hf_generate_groups(model, prompt_ids, prompt_mask, G, T, 0.0, 1.0, 0, torch.tensor([2, 17], device=DEVICE), 0,
-                                    return_logprobs=True)
+    hf = rollout.hf_generate_groups(model, prompt_ids, prompt_mask, G, T, 0.0, 1.0, 0,
+                                    torch.tensor([2, 17], device=DEVICE), 0, return_logprobs=True)
     assert torch.equal(hf[0], ids) and torch.equal(hf[1], mask), "fallback: other tokens (greedy)"
     assert_close(hf[2], logp, 1e-4, "fallback log-probs")
 
