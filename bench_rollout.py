@@ -319,8 +319,8 @@ def bench_attention(sweep=False, P=512):
             G = min(n, 16)
             B, T = n // G, t + 8
             per_layer = (n * (t + 1) + B * P) * kvh * D * 2 * 2  # K and V
-            layers = [[torch.randn(B, kvh, P, D, device=DEV, dtype=dt), torch.randn(B, kvh, P, D, device=DEV, dtype=dt),
-                       torch.randn(n, kvh, T, D, device=DEV, dtype=dt), torch.randn(n, kvh, T, D, device=DEV, dtype=dt)]
+            shapes = [(B, kvh, P, D)] * 2 + [(n, kvh, T, D)] * 2  # pk, pv, ck, cv
+            layers = [[torch.randn(*s, device=DEV, dtype=dt) for s in shapes]
                       for _ in range(max(2, min(8, 2**28 // per_layer + 1)) if CUDA else 1)]
             q = torch.randn(n, h, 1, D, device=DEV, dtype=dt)
             kv = torch.randn(n, kvh, 1, D, device=DEV, dtype=dt)

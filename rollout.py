@@ -223,7 +223,8 @@ def project(st, x, w, b, norm=None, act=None, residual=None):
         return torch.ops.nanogrpo.decode_linear(x, w, b, norm is not None, residual,  # (W: the norm's weight in)
                                                 0. if norm is None else norm.variance_epsilon, act is not None,
                                                 "triton")
-    x = x if norm is None else norm(x) if st.gemm == "torch" else rms_norm_torch(x, None, norm.variance_epsilon)
+    if norm is not None:  # ("folded": W has the norm's weight in it, so the norm runs without it)
+        x = norm(x) if st.gemm == "torch" else rms_norm_torch(x, None, norm.variance_epsilon)
     y = F.linear(x, w, b)
     if act is not None:
         gate, up = y.chunk(2, -1)
