@@ -15,8 +15,8 @@ and, unless BENCH_SAVE=1, no checkpoint written (a cell measures steps; the CPU 
 update are the last step's seconds (step 1 also compiles), gnorm its gradient norm (a reward with spread:
 digit_share); "decode" is the path the last step's rollout took: compiled (torch.compile + CUDA graphs) | graph (CUDA
 graphs, eager forward: under COMPILE_MIN_TOKENS) | fallback (torch.compile failed on the model: graphs, uncompiled) |
-eager | generate (model.generate), "+triton" with decode_gemm's GEMMs (the triton-decode cells: DECODE_GEMM, PDL and
-the merge in the last split, opt-in: faster in buckets of <= 16 rows only; these cells' 64-row bucket runs cuBLAS on
+eager | generate (model.generate), "+triton" with decode_gemm's GEMMs (the triton-decode cells: DECODE_GEMM and the
+merge in the last split, opt-in: faster in buckets of <= 16 rows only; these cells' 64-row bucket runs cuBLAS on
 the folded weights). Logs of every cell go to BENCH_DIR (/tmp/nanogrpo_e2e).
 
 The families keep what makes them differ (Qwen2.5: GQA 6, q/k/v bias, tied; Llama-3.2: head_dim 64, GQA 4, llama3
@@ -131,7 +131,7 @@ for feat, flags in FEATURES.items():
 REPRO = ["--prompts_per_step=16", "--group_size=8", "--max_completion_len=1024", "--gradient_checkpointing=True"]
 CELLS["repro qwen2.5-1.5b T=1024 gc"] = ("qwen2.5-1.5b", REPRO, [], 1)  # issue 19's crash at step 0
 CELLS["repro qwen2.5-1.5b T=1024 gc COMPILE=False"] = ("qwen2.5-1.5b", REPRO, ["rollout.COMPILE=False"], 1)
-TRITON_DECODE = ["rollout.DECODE_GEMM='triton'", "decode_kernels.PDL=True", "decode_kernels.MERGE_IN_SPLIT=True"]
+TRITON_DECODE = ["rollout.DECODE_GEMM='triton'", "decode_kernels.MERGE_IN_SPLIT=True"]
 for fam in FAMILIES:  # the opt-in decode kernels (issue 20), end to end on each layer shape, and with LoRA folded
     CELLS[f"{fam}/4L T=1024 gc triton-decode"] = (
         f"{fam}/4", ["--max_completion_len=1024", "--gradient_checkpointing=True"], TRITON_DECODE, 1)

@@ -32,10 +32,12 @@ NUM_STAGES = None  # its K/V pipeline depth; None: 3 at D = 64, 2 at D = 128 (st
 SPLIT_WAVES = 2  # key splits: enough (slot, K/V head, split) programs to fill the GPU this many times over
 MERGE_IN_SPLIT = False  # the last split of each (slot, K/V head) merges (no merge kernel). Off: on an H200 at 8 rows
 #                        the split kernel then took 23 us against 7 + 1.5 (many splits, one merger; BENCHMARKS)
-PDL = False  # Hopper's programmatic dependent launch for these kernels and decode_gemm's: each may be launched while
-#              the kernel before it runs, and waits (griddepcontrol.wait) before it reads anything but W (a W up to
-#              decode_gemm.PREFETCH_BYTES is prefetched into L2 first). Off: on an H200, 1.5B, triton GEMMs, it gained
-#              1-4% at 8-16 rows and lost 10% at 32 (the early programs hold SM slots the kernel before needs)
+PDL = True  # Hopper's programmatic dependent launch for the decode step's kernels: each may be launched while the
+#             kernel before it runs, and waits (griddepcontrol.wait) before it reads anything but W (a W up to
+#             decode_gemm.PREFETCH_BYTES is prefetched into L2 first). These kernels' launches and, where the compiler
+#             has it (torch.compile's triton.enable_pdl), the compiled forward's (rollout.run_compiled). H200, 1.5B,
+#             default path, one process: 1.91 -> 1.72 ms a step at 8 rows, 2.05 -> 1.88 at 32, 2.62 -> 2.51 at 128
+#             (BENCHMARKS, "Programmatic dependent launch"); the arithmetic is the same, so are the tokens
 
 
 def pdl_launch(device):
