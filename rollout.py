@@ -425,9 +425,10 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         layers = [(k, v, k.new_zeros(N, k.shape[1], max(T - 1, 1), k.shape[3]),
                    v.new_zeros(N, v.shape[1], max(T - 1, 1), v.shape[3])) for k, v in prefix]
         start = (P - prompt_mask.sum(1)).to(torch.int32)  # (B,) first real prompt column
-        if compiled:  # B reaches only the attention op: unbacked, one prompt (B = 1) runs the graph traced for
-            for t in [start] + [p for k, v, _, _ in layers for p in (k, v)]:  # several instead of compiling its
-                torch._dynamo.decorators.mark_unbacked(t, 0)                 # own (~100 s at 1.5B on an H200)
+        if compiled:  # torch.compile specializes a size of 1; B reaches only the attention op, so with B unbacked
+            # one prompt runs the graph traced for several instead of compiling its own (~100 s at 1.5B, an H200)
+            for x in [start] + [p for k, v, _, _ in layers for p in (k, v)]:
+                torch._dynamo.decorators.mark_unbacked(x, 0)
         slot = torch.zeros(1, dtype=torch.long, device=dev)  # completion column of the fed token, = step - 1
         slots = SimpleNamespace(rows=torch.arange(N, device=dev), tok=tok[:, None].clone(),
                                 pos=pos[:, -1:].repeat_interleave(G, 0) + 1, done=done)  # (n,), (n, 1), (n, 1), (n,)
