@@ -16,8 +16,8 @@ A decode step of B*G rows must read every weight once plus every live row's K/V.
    o_proj, activation, down_proj, LM head) but q|k|v as one GEMM and gate|up as another, on weights concatenated
    once per call (FUSE; 7 GEMMs a layer become 4). DECODE_GEMM = "triton" runs those 4 as decode_gemm's
    decode_linear, with the norms, RoPE, SiLU-mul and residual adds inside their launches, in buckets of up to
-   TRITON_GEMM_MAX_ROWS slots (opt-in: faster there; larger buckets, where it was slower, run cuBLAS on the same
-   weights).
+   TRITON_GEMM_MAX_ROWS slots (opt-in: faster there than the default was before PDL, unmeasured against it since;
+   larger buckets, where it was slower, run cuBLAS on the same weights).
 
 Each decode step (model forward, sampling, bookkeeping) is one CUDA graph replay; the host only checks "done" every
 CHECK_EVERY steps. Sampling needs no host sync either (decode_kernels.py: inverse-CDF Triton kernels, or torch ops
@@ -67,8 +67,9 @@ FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); 
 DECODE_GEMM = "torch"  # decode_forward's GEMMs: torch (cuBLAS; the compiler fuses norms, SiLU, residuals around them)
 #                | triton (decode_gemm.decode_linear: RMSNorm, RoPE, SiLU*up, residual inside the GEMM's launch,
 #                  for buckets of up to TRITON_GEMM_MAX_ROWS slots; larger ones run cuBLAS on the same weights)
-TRITON_GEMM_MAX_ROWS = 16  # H200, 1.5B: with decode_linear a step takes 1.83 / 1.81 ms at 16 / 8 rows against 2.00 /
-#                            1.93; from 32 rows it was the slower (2.17 against 2.08; BENCHMARKS, the decode floor)
+TRITON_GEMM_MAX_ROWS = 16  # H200, 1.5B, both without PDL: with decode_linear a step took 1.83 / 1.81 ms at 16 / 8
+#                            rows against 2.00 / 1.93, from 32 rows 2.17 against 2.08 (BENCHMARKS, the decode floor).
+#                            The PDL default's 1.80 / 1.76 is not yet measured against it
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose inv_freq never changes (not dynamic NTK)
 LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl, decode path (tests, benchmarks)
 
