@@ -2192,7 +2192,8 @@ def test_grpo_ranks_split_the_steps_prompts_by_whole_groups():
 @check
 def test_grpo_eval_pass_at_k():
     """pass@k beside greedy accuracy: at a near-zero eval_temperature every sample is the greedy answer, so pass@k ==
-    greedy accuracy; at temperature 2 with "correct" = a digit in the text (greedy writes none), pass@4 > pass@1 > 0"""
+    greedy accuracy; at temperature 2 with "correct" = a digit in the text (greedy writes none), pass@4 > pass@1 > 0;
+    the held-out prompts go in chunks of even size"""
     from transformers import AutoModelForCausalLM
     import checkpoint
     import grpo
@@ -2209,6 +2210,15 @@ def test_grpo_eval_pass_at_k():
     assert got[1e-4, 4]["eval_pass_k"] == got[1e-4, 4]["eval_accuracy"] == 0, got
     assert got[2.0, 4]["eval_pass_k"] > got[2.0, 1]["eval_pass_k"] > 0, got
     assert "eval_pass_k" not in grpo.evaluate(model, tok, held[:1], digit, _trainer_cfg(), torch.device("cpu"))
+    import batching  # chunks of even size: 9 prompts in chunks of up to 8 are 5 + 4, not 8 + 1 (one prompt, one
+    sizes, real = [], batching.rollout  # slot: a decode graph of its own on the GPU)
+    batching.rollout = lambda model, ids, *a, **kw: sizes.append(ids.shape[0]) or real(model, ids, *a, **kw)
+    try:
+        held9 = tasks.held_out_set(tasks.arithmetic_prompts, 9, 1)
+        grpo.evaluate(model, tok, held9, digit, _trainer_cfg(max_completion_len=4), torch.device("cpu"), batch=8)
+    finally:
+        batching.rollout = real
+    assert sizes == [5, 4], sizes
 
 
 @check
