@@ -16,10 +16,10 @@ GEMMs with the work around it in the same launch:
 M is one tile, so each weight is read once; where there are too few output tiles to pull HBM, K is split and the
 split that arrives last sums the partials in split order (the same bits whatever the timing). decode_linear_torch
 is the same function in the model's own ops and roundings; nanogrpo::decode_linear is either as a torch op that
-torch.compile keeps inside the one-graph decode. Opt-in: on an H200 at the 1.5B shape, before PDL was the default,
-a decode step with it was faster than the default at 8 and 16 live rows (1.75 / 1.86 ms against 1.93 / 1.99: gate|up
-and down_proj at or past cuBLAS, the elementwise launches gone), slower from 32 rows (q|k|v 2-4x cuBLAS's time;
-BENCHMARKS, "The decode-floor levers"; issue 20). The PDL default (1.76 / 1.80 ms) is not yet measured against it.
+torch.compile keeps inside the one-graph decode. Opt-in: on an H200 with PDL on both paths, a decode step with it is
+3% faster than the default at 8 and 16 live rows at the 1.5B shape (1.65 / 1.71 ms against 1.69 / 1.75: gate|up and
+down_proj at or past cuBLAS, the elementwise launches gone), no faster at 0.5B, slower from 32 rows (q|k|v 2-4x
+cuBLAS's time; BENCHMARKS, "The decode-floor levers" and "The triton GEMMs under PDL"; issue 20).
 """
 from typing import List, Optional
 

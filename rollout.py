@@ -16,8 +16,8 @@ A decode step of B*G rows must read every weight once plus every live row's K/V.
    o_proj, activation, down_proj, LM head) but q|k|v as one GEMM and gate|up as another, on weights concatenated
    once per call (FUSE; 7 GEMMs a layer become 4). DECODE_GEMM = "triton" runs those 4 as decode_gemm's
    decode_linear, with the norms, RoPE, SiLU-mul and residual adds inside their launches, in buckets of up to
-   TRITON_GEMM_MAX_ROWS slots (opt-in: faster there than the default was before PDL, unmeasured against it since;
-   larger buckets, where it was slower, run cuBLAS on the same weights).
+   TRITON_GEMM_MAX_ROWS slots (opt-in: at the 1.5B shape 3% faster there than the default, at 0.5B no faster;
+   larger buckets, where it is slower, run cuBLAS on the same weights).
 
 Each decode step (model forward, sampling, bookkeeping) is one CUDA graph replay; the host only checks "done" every
 CHECK_EVERY steps. Sampling needs no host sync either (decode_kernels.py: inverse-CDF Triton kernels, or torch ops
@@ -67,9 +67,9 @@ FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); 
 DECODE_GEMM = "torch"  # decode_forward's GEMMs: torch (cuBLAS; the compiler fuses norms, SiLU, residuals around them)
 #                | triton (decode_gemm.decode_linear: RMSNorm, RoPE, SiLU*up, residual inside the GEMM's launch,
 #                  for buckets of up to TRITON_GEMM_MAX_ROWS slots; larger ones run cuBLAS on the same weights)
-TRITON_GEMM_MAX_ROWS = 16  # H200, 1.5B, both without PDL: with decode_linear a step took 1.83 / 1.81 ms at 16 / 8
-#                            rows against 2.00 / 1.93, from 32 rows 2.17 against 2.08 (BENCHMARKS, the decode floor).
-#                            The PDL default's 1.80 / 1.76 is not yet measured against it
+TRITON_GEMM_MAX_ROWS = 16  # H200, both with PDL, one process: with decode_linear a step at 1.5B took 1.71 / 1.65 ms
+#                            at 16 / 8 rows against 1.75 / 1.69; at 0.5B 1.06 / 1.02 against 1.05 / 1.02, and at
+#                            32 rows 1.54 against 1.12 (BENCHMARKS, "The triton GEMMs under PDL")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose inv_freq never changes (not dynamic NTK)
 LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl, decode path (tests, benchmarks)
 
