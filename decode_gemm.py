@@ -16,10 +16,10 @@ GEMMs with the work around it in the same launch:
 M is one tile, so each weight is read once; where there are too few output tiles to pull HBM, K is split and the
 split that arrives last sums the partials in split order (the same bits whatever the timing). decode_linear_torch
 is the same function in the model's own ops and roundings; nanogrpo::decode_linear is either as a torch op that
-torch.compile keeps inside the one-graph decode. Opt-in: on an H200 with PDL on both paths, a decode step with it is
-3% faster than the default at 8 and 16 live rows at the 1.5B shape (1.65 / 1.71 ms against 1.69 / 1.75: gate|up and
-down_proj at or past cuBLAS, the elementwise launches gone), no faster at 0.5B, slower from 32 rows (q|k|v 2-4x
-cuBLAS's time; BENCHMARKS, "The decode-floor levers" and "The triton GEMMs under PDL"; issue 20).
+torch.compile keeps inside the decode's compiled parts. Opt-in: on an H200 with PDL on both paths, a decode step
+with it is 3% faster than the default at 8 and 16 live rows at the 1.5B shape (1.65 / 1.71 ms against 1.69 / 1.75:
+gate|up and down_proj at or past cuBLAS, the elementwise launches gone), no faster at 0.5B, slower from 32 rows
+(q|k|v 2-4x cuBLAS's time; BENCHMARKS, "The decode-floor levers" and "The triton GEMMs under PDL"; issue 20).
 """
 from typing import List, Optional
 
@@ -280,9 +280,9 @@ def decode_linear_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]
                      pos: Optional[torch.Tensor] = None, inv_freq: Optional[torch.Tensor] = None,
                      qk_norm: Optional[torch.Tensor] = None, heads: Optional[List[int]] = None,
                      rope_scale: float = 1.0, qk_eps: float = 0.0) -> torch.Tensor:
-    """decode_linear_triton (impl "triton") or decode_linear_torch as a torch op, so that torch.compile keeps the
-    one-graph decode with it inside. x (..., K) -> (..., N); norm: an RMSNorm (eps) in front, its weight folded into
-    W (fold_norm); RoPE when pos is given (heads: [n_q, n_k])"""
+    """decode_linear_triton (impl "triton") or decode_linear_torch as a torch op, so that torch.compile keeps each
+    of the decode's parts one graph with it inside. x (..., K) -> (..., N); norm: an RMSNorm (eps) in front, its
+    weight folded into W (fold_norm); RoPE when pos is given (heads: [n_q, n_k])"""
     lead = x.shape[:-1]
     flat = lambda t: None if t is None else t.reshape(-1, t.shape[-1])  # noqa: E731
     rope = None if pos is None else (pos.reshape(-1), inv_freq, rope_scale, heads[0], heads[1], qk_norm, qk_eps)

@@ -8,7 +8,7 @@ The decode step's kernels, each beside its torch reference (rollout.py is the en
    the way, and a second kernel merges the splits by log-sum-exp:
        o = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),   M = max_s lse_s
    Finished rows attend nothing. decode_attention_torch is the same function in torch ops (and the CPU path);
-   nanogrpo::decode_attention is either, as a torch op that torch.compile traces inside one graph.
+   nanogrpo::decode_attention is either, as a torch op (rollout's decode_forward calls it between its compiled parts).
 2. Sampling without a host sync: the inverse CDF, min{k : sum_{j<=k} p_j > u}, in two Triton kernels that read the
    logits about once (temperature only), or the exponential race argmax_k p_k / E_k, E_k ~ Exp(1), in torch ops
    behind HF's top-k/top-p warpers (sample); both draw k with probability p_k (torch.multinomial would sync).
@@ -245,8 +245,9 @@ def decode_attention_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
                         pv: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, done: torch.Tensor,
                         start: torch.Tensor, slot: torch.Tensor, G: int, scale: float, impl: str) -> torch.Tensor:
     """decode_forward's attention as a torch op: the decode state comes in as arguments (no global), and
-    torch.compile traces the whole forward as one graph with this op inside it (it knows the op writes ck/cv),
-    where a compiler-disabled function would break the graph at every layer. (n, 1, h, D), in pk's dtype: under
+    torch.compile can trace a forward with this op inside it (it knows the op writes ck/cv), where a
+    compiler-disabled function would break the graph. (decode_forward cuts its compiled parts at it: no compiler
+    fuses across it anyway.) (n, 1, h, D), in pk's dtype: under
     autocast with fp32 weights RoPE hands back fp32 q/k beside a bf16 v, so all three are cast to the caches'."""
     dt = pk.dtype
     st = SimpleNamespace(rows=rows, done=done, start=start, slot=slot, G=G,

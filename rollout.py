@@ -249,16 +249,17 @@ def epilogue_rope(model, device):
                 qk_eps=getattr(getattr(attns[0], "q_norm", None), "variance_epsilon", 0.))
 
 
-def attention_inputs(st, i, layer, h, w_qkv, b_qkv, pos, cos, sin):
-    """layer i's q (n, h, 1, D), k and v (n, kvh, 1, D) at a decode step: q|k|v of the normed h, the q/k norms
-    (qwen3), RoPE. With the triton GEMMs and a static RoPE (st.rope: inv_freq, scale) all of it is one launch"""
+def attention_inputs(st, layer, h, w_qkv, b_qkv, qk_norm, pos, cos, sin):
+    """the layer's q (n, h, 1, D), k and v (n, kvh, 1, D) at a decode step: q|k|v of the normed h, the q/k norms
+    (qwen3), RoPE. With the triton GEMMs and a static RoPE (st.rope: inv_freq, scale; qk_norm: the layer's
+    [q_norm; k_norm] or None) all of it is one launch"""
     attn, norm = layer.self_attn, layer.input_layernorm
     n, D = h.shape[0], attn.head_dim
     sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
     heads = lambda q, k, v: [t.view(n, 1, -1, D).transpose(1, 2) for t in (q, k, v)]  # noqa: E731
     if st.gemm == "triton" and st.rope is not None:
         qkv = torch.ops.nanogrpo.decode_linear(h, w_qkv, b_qkv, True, None, norm.variance_epsilon, False,
-                                               "triton", pos, st.rope[0], st.qk_norms[i],
+                                               "triton", pos, st.rope[0], qk_norm,
                                                [sizes[0] // D, sizes[1] // D], st.rope[1], st.qk_eps)
         return heads(*qkv.split(sizes, -1))
     q, k, v = heads(*project(st, h, w_qkv, b_qkv, norm=norm).split(sizes, -1))
@@ -268,26 +269,57 @@ def attention_inputs(st, i, layer, h, w_qkv, b_qkv, pos, cos, sin):
     return q, k, v
 
 
-def decode_forward(model, fused, st, tok, pos):
+def mlp_block(st, layer, w, o, h):
+    """after a layer's attention output o (n, 1, h, D): h + o_proj(o), then + its MLP on that; the new h (n, 1, H)"""
+    _, _, w_gu, b_gu, w_o, b_o, w_down, b_down = w
+    h = project(st, o.reshape(h.shape[0], 1, -1).to(h.dtype), w_o, b_o, residual=h)
+    a = project(st, h, w_gu, b_gu, norm=layer.post_attention_layernorm, act=layer.mlp.act_fn)  # (n, 1, I)
+    return project(st, a, w_down, b_down, residual=h)
+
+
+def decode_first(model, st, layer, w, qk_norm, tok, pos):
+    """the embedding, RoPE's (cos, sin) and layer 0's attention inputs: (h, cos, sin, q, k, v)"""
+    h = model.model.embed_tokens(tok)  # (n, 1, H)
+    cos, sin = model.model.rotary_emb(h, pos)
+    return (h, cos, sin) + tuple(attention_inputs(st, layer, h, w[0], w[1], qk_norm, pos, cos, sin))
+
+
+def decode_between(st, layer, w, o, h, nxt, w_nxt, qk_norm, pos, cos, sin):
+    """a layer's o_proj and MLP, then the next layer's attention inputs: (h, q, k, v)"""
+    h = mlp_block(st, layer, w, o, h)
+    return (h,) + tuple(attention_inputs(st, nxt, h, w_nxt[0], w_nxt[1], qk_norm, pos, cos, sin))
+
+
+def decode_last(model, st, layer, w, o, h):
+    """the last layer's o_proj and MLP, the final norm, the LM head: (n, V) logits"""
+    return model.lm_head(model.model.norm(mlp_block(st, layer, w, o, h)))[:, -1]
+
+
+DECODE_PARTS = (decode_first, decode_between, decode_last)
+
+
+def decode_forward(model, fused, st, tok, pos, compiled=False):
     """model_forward for one decode step with fused projections: the model's own modules (embedding, RoPE,
     RMSNorms, q/k norms, activation, LM head) in the order its forward calls them, but q|k|v = x @ W_qkv^T + b_qkv
     and gate|up = x @ W_gu^T + b_gu as one GEMM each, o_proj and down_proj on their weights from fuse_projections
-    (a LoRA adapter folded in), and the attention as the op
-    nanogrpo::decode_attention on the decode state st (caches, slot -> row map, column). (n, V) logits. Under
-    torch.compile this is one graph (no break: fullgraph=True), so norms, RoPE and residual adds fuse across layers."""
-    trunk = model.model
-    h = trunk.embed_tokens(tok)  # (n, 1, H)
-    n, (cos, sin) = h.shape[0], trunk.rotary_emb(h, pos)
-    for i, (layer, (w_qkv, b_qkv, w_gu, b_gu, w_o, b_o, w_down, b_down), (pk, pv, ck, cv)) in enumerate(zip(
-            trunk.layers, fused, st.layers)):
-        attn, mlp = layer.self_attn, layer.mlp
-        q, k, v = attention_inputs(st, i, layer, h, w_qkv, b_qkv, pos, cos, sin)  # (n, h, 1, D), (n, kvh, 1, D) x2
-        o = torch.ops.nanogrpo.decode_attention(q, k, v, pk, pv, ck, cv, st.rows, st.done,
-                                                st.start, st.slot, st.G, attn.scaling, st.impl)  # (n, 1, h, D)
-        h = project(st, o.reshape(n, 1, -1).to(h.dtype), w_o, b_o, residual=h)
-        a = project(st, h, w_gu, b_gu, norm=layer.post_attention_layernorm, act=mlp.act_fn)  # (n, 1, I)
-        h = project(st, a, w_down, b_down, residual=h)
-    return model.lm_head(trunk.norm(h))[:, -1]
+    (a LoRA adapter folded in), and the attention as the op nanogrpo::decode_attention on the decode state st
+    (caches, slot -> row map, column). (n, V) logits.
+    In parts cut at the attention ops, which no compiler fuses across anyway: decode_first, then per layer the
+    attention and decode_between (its o_proj and MLP with the next layer's norm, q|k|v and RoPE, so a residual add
+    and the next norm still fuse), decode_last. compiled: each part through torch.compile (run_compiled), one graph
+    each; the layers' parts are one function on each layer's weights, so three compiles serve any depth (the whole
+    forward as one graph took 95-160 s to compile at 24-28 layers on an H200)."""
+    call = run_compiled if compiled else (lambda fn, *args: fn(*args))
+    layers, L = model.model.layers, len(fused)
+    qk_norms = getattr(st, "qk_norms", None) or [None] * L  # (the triton GEMMs' RoPE epilogue: qwen3's q/k norms)
+    h, cos, sin, q, k, v = call(decode_first, model, st, layers[0], fused[0], qk_norms[0], tok, pos)
+    for i, (pk, pv, ck, cv) in enumerate(st.layers):
+        o = torch.ops.nanogrpo.decode_attention(q, k, v, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot,
+                                                st.G, layers[i].self_attn.scaling, st.impl)  # (n, 1, h, D)
+        if i == L - 1:
+            return call(decode_last, model, st, layers[i], fused[i], o, h)
+        h, q, k, v = call(decode_between, st, layers[i], fused[i], o, h, layers[i + 1], fused[i + 1],
+                          qk_norms[i + 1], pos, cos, sin)
 
 
 COMPILED = {}  # (function, backend) -> its torch.compile wrapper, built once per process
@@ -295,10 +327,10 @@ UNCOMPILABLE = weakref.WeakKeyDictionary()  # model -> why torch.compile failed 
 
 
 def run_compiled(fn, *args):
-    """fn(*args) (model_forward or decode_forward) through torch.compile, compiled once per process, with dynamic
-    shapes: the slot count changes from bucket to bucket, and (model_forward: decode_forward has no break) the
-    attention's graph break starts a new frame per layer whose inputs mark_dynamic would not reach, so static shapes
-    would recompile every layer's frame at every new bucket size. Without duck sizing: it would tie the slot count
+    """fn(*args) (model_forward, or one of decode_forward's parts) through torch.compile, compiled once per process,
+    with dynamic shapes: the slot count changes from bucket to bucket, and (model_forward) the attention's graph
+    break starts a new frame per layer whose inputs mark_dynamic would not reach, so static shapes would recompile
+    every layer's frame at every new bucket size. Without duck sizing: it would tie the slot count
     to any model dimension of the same size at trace time (128 slots = 2 K/V heads x 64) and recompile when a bucket
     breaks the tie (seen: 5-8 s inside a timed run). With decode_kernels.PDL (read at the first compile) the
     compiler's Triton kernels launch with programmatic dependent launch where torch has it (triton.enable_pdl;
@@ -306,9 +338,9 @@ def run_compiled(fn, *args):
     from torch._inductor import config as inductor_config
     from torch.fx.experimental import _config as fx_config  # private, but in torch 2.1 through 2.13
     key = (fn, COMPILE_BACKEND)
-    if key not in COMPILED:  # decode_forward has no graph break at all: fullgraph makes one an error
+    if key not in COMPILED:  # decode_forward's parts have no graph break at all: fullgraph makes one an error
         pdl = decode_kernels.PDL and COMPILE_BACKEND == "inductor" and hasattr(inductor_config.triton, "enable_pdl")
-        COMPILED[key] = torch.compile(fn, backend=COMPILE_BACKEND, dynamic=True, fullgraph=fn is decode_forward,
+        COMPILED[key] = torch.compile(fn, backend=COMPILE_BACKEND, dynamic=True, fullgraph=fn in DECODE_PARTS,
                                       options={"triton.enable_pdl": True} if pdl else None)
     with fx_config.patch(use_duck_shape=False):
         return COMPILED[key](*args)
@@ -321,7 +353,7 @@ def forward_compiled_or_not(model, fn, *args):
     happens in the graph's warm-up call, never inside a capture, so falling back there is safe."""
     if model not in UNCOMPILABLE:
         try:
-            return run_compiled(fn, *args)
+            return fn(*args, compiled=True) if fn is decode_forward else run_compiled(fn, *args)
         except torch._dynamo.exc.TorchDynamoException as e:  # (Unsupported, BackendCompilerFailed, InductorError...)
             first = next((line for line in str(e).splitlines() if line.strip()), "")
             UNCOMPILABLE[model] = f"{type(e).__name__}: {first[:200]}"
@@ -335,7 +367,7 @@ def sampling(model):
     """the model as generation wants it, restored on exit: eval mode (no dropout, no gradient checkpointing) and
     every module's forward hooks set aside. Generation is inference; the hooks are training's: gradient
     checkpointing's on the input embedding (output.requires_grad_(True), which torch 2.11's compiler refuses inside
-    the one-graph decode, and which would make every decode step build autograd state), FSDP2's unshard/reshard on
+    the fullgraph decode, and which would make every decode step build autograd state), FSDP2's unshard/reshard on
     each unit (dist.gathered has unsharded the weights for the whole rollout; a CUDA graph would capture their
     stream waits). A hook a user registers for training is set aside too."""
     was_training, saved = model.training, [(m, m._forward_pre_hooks, m._forward_hooks) for m in model.modules()]
@@ -426,10 +458,6 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         layers = [(k, v, k.new_zeros(N, k.shape[1], max(T - 1, 1), k.shape[3]),
                    v.new_zeros(N, v.shape[1], max(T - 1, 1), v.shape[3])) for k, v in prefix]
         start = (P - prompt_mask.sum(1)).to(torch.int32)  # (B,) first real prompt column
-        if compiled:  # torch.compile specializes a size of 1; B reaches only the attention op, so with B unbacked
-            # one prompt runs the graph traced for several instead of compiling its own (~100 s at 1.5B, an H200)
-            for x in [start] + [p for k, v, _, _ in layers for p in (k, v)]:
-                torch._dynamo.decorators.mark_unbacked(x, 0)
         slot = torch.zeros(1, dtype=torch.long, device=dev)  # completion column of the fed token, = step - 1
         slots = SimpleNamespace(rows=torch.arange(N, device=dev), tok=tok[:, None].clone(),
                                 pos=pos[:, -1:].repeat_interleave(G, 0) + 1, done=done)  # (n,), (n, 1), (n, 1), (n,)
