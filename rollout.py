@@ -60,8 +60,8 @@ COMPACT_MIN_STEPS = 32  # compact only if at least this many steps may remain (a
 ATTENTION = "auto"  # decode attention: triton | torch | auto (triton on CUDA, torch elsewhere)
 SAMPLER = "auto"  # triton (inverse-CDF kernels; temperature only) | torch (any top-k/top-p) | auto: triton if it can
 COMPILE = True  # torch.compile the decode forward (fuses norms, RoPE, MLP; attention stays ours)...
-COMPILE_MIN_TOKENS = 512  # ...from this many new tokens on: the first compile costs ~20 s (95-160 s for the 24-28
-#                          layers of the 0.5B and 1.5B shapes on an H200, once a process), a step saves ~1 ms
+COMPILE_MIN_TOKENS = 512  # ...from this many new tokens on: the first compile costs ~10-30 s once a process (26 s
+#                          at the 28-layer 1.5B shape on an H200, in decode_forward's parts), a step saves ~1 ms
 COMPILE_BACKEND = "inductor"  # on CUDA; on the CPU only another backend compiles (tests: aot_eager, no C++ compiler)
 FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); False: the model's own forward
 DECODE_GEMM = "torch"  # decode_forward's GEMMs: torch (cuBLAS; the compiler fuses norms, SiLU, residuals around them)
@@ -307,8 +307,8 @@ def decode_forward(model, fused, st, tok, pos, compiled=False):
     In parts cut at the attention ops, which no compiler fuses across anyway: decode_first, then per layer the
     attention and decode_between (its o_proj and MLP with the next layer's norm, q|k|v and RoPE, so a residual add
     and the next norm still fuse), decode_last. compiled: each part through torch.compile (run_compiled), one graph
-    each; the layers' parts are one function on each layer's weights, so three compiles serve any depth (the whole
-    forward as one graph took 95-160 s to compile at 24-28 layers on an H200)."""
+    each; the layers' parts are one function on each layer's weights, so three compiles serve any depth: 26 s at
+    the 28-layer 1.5B shape on an H200 against 148 s for the whole forward as one graph, a step as fast."""
     call = run_compiled if compiled else (lambda fn, *args: fn(*args))
     layers, L = model.model.layers, len(fused)
     qk_norms = getattr(st, "qk_norms", None) or [None] * L  # (the triton GEMMs' RoPE epilogue: qwen3's q/k norms)
