@@ -60,8 +60,10 @@ COMPACT_MIN_STEPS = 32  # compact only if at least this many steps may remain (a
 ATTENTION = "auto"  # decode attention: triton | torch | auto (triton on CUDA, torch elsewhere)
 SAMPLER = "auto"  # triton (inverse-CDF kernels; temperature only) | torch (any top-k/top-p) | auto: triton if it can
 COMPILE = True  # torch.compile the decode forward (fuses norms, RoPE, MLP; attention stays ours)...
-COMPILE_MIN_TOKENS = 512  # ...from this many new tokens on: the first compile costs ~10-30 s once a process (26 s
-#                          at the 28-layer 1.5B shape on an H200, in decode_forward's parts), a step saves ~1 ms
+COMPILE_MIN_TOKENS = 128  # ...from this many new tokens on: the first compile costs ~10-30 s once a process (26 s
+#                          at the 28-layer 1.5B shape on an H200, in decode_forward's parts) and a step saves ~2 ms
+#                          (0.5B, 256 rows: 2.3-2.8 ms against 4.0-4.6), repaid after ~40-75 rollouts of 128 tokens.
+#                          The default run (64 tokens, 0.90 in 1-3 minutes) stays on CUDA graphs alone
 COMPILE_BACKEND = "inductor"  # on CUDA; on the CPU only another backend compiles (tests: aot_eager, no C++ compiler)
 FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); False: the model's own forward
 DECODE_GEMM = "torch"  # decode_forward's GEMMs: torch (cuBLAS; the compiler fuses norms, SiLU, residuals around them)
