@@ -96,7 +96,9 @@ def _attend_columns(k_ptr, v_ptr, base, stride_l, j_lo, j_hi, q, m_i, l_i, acc, 
     return m_i, l_i, acc
 
 
-@triton.jit
+# P, the prompt length, changes from step to step: a new class of it (% 16) compiled the kernel again mid-rollout
+# (0.6 s on an H200); unspecialized, it runs as fast (0.5B and 1.5B heads, 8 and 128 rows: within 0.1 us)
+@triton.jit(do_not_specialize=["P"])
 def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_ptr, rows_ptr, done_ptr, start_ptr,
                          slot_ptr, o_ptr, lse_ptr, out_ptr, count_ptr, G, P, qk_scale,
                          stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
