@@ -23,7 +23,8 @@ Each decode step (model forward, sampling, bookkeeping) is one CUDA graph replay
 CHECK_EVERY steps. Sampling needs no host sync either (decode_kernels.py: inverse-CDF Triton kernels, or torch ops
 behind HF's top-k/top-p warpers). On CUDA, for rollouts of COMPILE_MIN_TOKENS or more, the forward is
 torch.compile'd, which fuses the ~30 small elementwise kernels a layer runs in eager mode (RMSNorm, RoPE, SiLU,
-residuals) into a handful. Sampling sets training's forward hooks aside (gradient checkpointing's, FSDP2's); a model
+residuals) into a handful; in three parts shared by all layers (decode_forward), so it compiles in ~10-30 s at any
+depth. Sampling sets training's forward hooks aside (gradient checkpointing's, FSDP2's); a model
 torch.compile cannot trace decodes uncompiled, said in one printed line (LAST["compiled"], LAST["compile_error"]).
 
 The model keeps its transformers modules; the decode attention is registered as "nanogrpo_decode" (the model's own
