@@ -9,7 +9,7 @@ GPU before a change to rollout, batching, kv_reuse or grpo lands, and put its ta
     python bench_e2e.py --list           # the cells and their flags
     python bench_e2e.py --model qwen2.5-7b DIR   # just build a random-weight model directory (bench_fsdp.sh 7b)
 
-Each cell is a fresh process (torchrun for the 2-GPU cells, skipped with fewer GPUs): `python bench_e2e.py --run
+Each cell is a fresh process (torchrun for the 2-GPU cells, skipped with fewer GPUs): `python bench_e2e.py --run-cell
 [rollout.GLOBAL=value ...] --key=value ...` is grpo.train with those rollout (decode_kernels, decode_gemm) globals set
 and, unless BENCH_SAVE=1, no checkpoint written (a cell measures steps; the CPU suite checks the checkpoints). gen and
 update are the last step's seconds (step 1 also compiles), gnorm its gradient norm (a reward with spread:
@@ -142,6 +142,16 @@ for fsdp in (True, False):  # the same global batch over 2 processes
     CELLS[f"torchrun 2 qwen2.5-1.5b/4L T=1024 gc fsdp={fsdp}"] = (
         "qwen2.5-1.5b/4", ["--max_completion_len=1024", "--gradient_checkpointing=True", f"--fsdp={fsdp}"], [], 2)
     CELLS[f"torchrun 2 repro qwen2.5-1.5b fsdp={fsdp}"] = ("qwen2.5-1.5b", REPRO + [f"--fsdp={fsdp}"], [], 2)
+CELLS["torchrun 2 repro qwen2.5-1.5b fsdp=True weak"] = (  # twice the batch on 2 GPUs: weak scaling against repro
+    "qwen2.5-1.5b", ["--prompts_per_step=32"] + REPRO[1:] + ["--fsdp=True"], [], 2)
+
+
+def cell_command(nproc, args):
+    """the command line of one cell: this file with --run-cell and args, in python or under torchrun. (Not "--run":
+    torchrun's parser reads it as an abbreviation of its own --run-path and exits, "ambiguous option".)"""
+    launch = ([sys.executable] if nproc == 1 else
+              [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"])
+    return launch + [os.path.abspath(__file__), "--run-cell"] + args
 
 
 def run_cell(name, model, flags, sets, nproc):
@@ -152,10 +162,7 @@ def run_cell(name, model, flags, sets, nproc):
     slug = "".join(c if c.isalnum() else "_" for c in name)
     out_dir, log = os.path.join(BENCH_DIR, "out", slug), os.path.join(BENCH_DIR, "logs", slug + ".txt")
     os.makedirs(os.path.dirname(log), exist_ok=True)
-    launch = ([sys.executable] if nproc == 1 else
-              [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"])
-    cmd = launch + [os.path.abspath(__file__), "--run"] + sets + BASE + flags + [
-        f"--model={model_dir}", f"--out_dir={out_dir}", "--overwrite=True"]
+    cmd = cell_command(nproc, sets + BASE + flags + [f"--model={model_dir}", f"--out_dir={out_dir}", "--overwrite=True"])
     t0 = time.time()
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n\n")
@@ -224,7 +231,7 @@ def main(args):
 
 
 def run(args):
-    """--run: grpo.train(args) in this process with the globals given as rollout.NAME=value (or decode_kernels.,
+    """--run-cell: grpo.train(args) in this process with the globals given as rollout.NAME=value (or decode_kernels.,
     decode_gemm.) set first (bench_rollout.set_globals)"""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import checkpoint
@@ -237,7 +244,7 @@ def run(args):
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if argv[:1] == ["--run"]:
+    if argv[:1] == ["--run-cell"]:
         run(argv[1:])
     elif argv[:1] == ["--model"]:
         make_model_dir(argv[1], argv[2])

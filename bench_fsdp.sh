@@ -56,7 +56,7 @@ case "$what" in
     OUT=/tmp/nanogrpo_out7b
     smi_start /tmp/nanogrpo_smi7b.csv
     t0=$(date +%s)
-    $TORCHRUN --nproc_per_node="$NPROC" bench_e2e.py --run --model="$D" --prompts_per_step=16 --group_size=8 \
+    $TORCHRUN --nproc_per_node="$NPROC" bench_e2e.py --run-cell --model="$D" --prompts_per_step=16 --group_size=8 \
         --max_completion_len=512 --temperature=1.0 --gradient_checkpointing=True --micro_batch_tokens=16384 \
         --eval_every=0 --eval_size=4 --max_steps=4 --max_minutes=0 --lr=1e-6 --out_dir="$OUT" --overwrite=True "$@"
     echo "wall $(( $(date +%s) - t0 )) s (incl. loading)"

@@ -2436,6 +2436,26 @@ def test_grpo_torchrun_two_steps_logged_once():
 
 
 @check
+def test_bench_e2e_torchrun_cells_parse():
+    """the 2-GPU cells' command line as torchrun's own parser reads it: the script and every argument after it reach
+    bench_e2e.py (a script flag that abbreviates a torchrun option, as --run did --run-path, makes torchrun exit before
+    any GPU work: how the torchrun cells failed on their first 2-GPU machine)"""
+    import bench_e2e
+    from torch.distributed.run import get_args_parser
+    args = ["rollout.COMPILE=False", "--prompts_per_step=16", "--fsdp=True", "--model=/tmp/m", "--out_dir=/tmp/o"]
+    for nproc in (2, 4):
+        cmd = bench_e2e.cell_command(nproc, args)
+        assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
+        try:
+            parsed = get_args_parser().parse_args(cmd[3:])
+        except SystemExit as e:  # (argparse exits on an error; report it as this check's failure)
+            raise AssertionError(f"torchrun's parser refused {cmd[3:]}") from e
+        assert parsed.training_script == os.path.abspath(bench_e2e.__file__) and parsed.nproc_per_node == str(nproc)
+        assert parsed.training_script_args == ["--run-cell"] + args, parsed.training_script_args
+    assert bench_e2e.cell_command(1, args)[1:] == [os.path.abspath(bench_e2e.__file__), "--run-cell"] + args
+
+
+@check
 def test_grpo_torchrun_four_ranks():
     """`torchrun --nproc_per_node=4 grpo.py` on CPU (gloo, FSDP2): nothing assumes 2 ranks. A step logged once, the
     held-out eval sharded four ways still counts every prompt, four RNG streams and four optimizer shards in the
