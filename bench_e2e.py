@@ -143,7 +143,8 @@ for fsdp in (True, False):  # the same global batch over 2 processes
         "qwen2.5-1.5b/4", ["--max_completion_len=1024", "--gradient_checkpointing=True", f"--fsdp={fsdp}"], [], 2)
     CELLS[f"torchrun 2 repro qwen2.5-1.5b fsdp={fsdp}"] = ("qwen2.5-1.5b", REPRO + [f"--fsdp={fsdp}"], [], 2)
 CELLS["torchrun 2 repro qwen2.5-1.5b fsdp=True weak"] = (  # twice the batch on 2 GPUs: weak scaling against repro
-    "qwen2.5-1.5b", ["--prompts_per_step=32"] + REPRO[1:] + ["--fsdp=True"], [], 2)
+    "qwen2.5-1.5b", ["--prompts_per_step=32"] + [f for f in REPRO if not f.startswith("--prompts_per_step=")]
+    + ["--fsdp=True"], [], 2)
 
 
 def cell_command(nproc, args):
@@ -162,7 +163,8 @@ def run_cell(name, model, flags, sets, nproc):
     slug = "".join(c if c.isalnum() else "_" for c in name)
     out_dir, log = os.path.join(BENCH_DIR, "out", slug), os.path.join(BENCH_DIR, "logs", slug + ".txt")
     os.makedirs(os.path.dirname(log), exist_ok=True)
-    cmd = cell_command(nproc, sets + BASE + flags + [f"--model={model_dir}", f"--out_dir={out_dir}", "--overwrite=True"])
+    cmd = cell_command(nproc, sets + BASE + flags + [f"--model={model_dir}", f"--out_dir={out_dir}",
+                                                     "--overwrite=True"])
     t0 = time.time()
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n\n")
