@@ -43,7 +43,7 @@ def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temp
     """sample group_size completions per prompt; the returned dict is the generation buffer. eos_token_id: an int or
     a list (every id that ends a completion). sampler_logp: each token's log-prob as the sampler computed it (its
     decode kernels, not the training forward's); decode: the path that sampled it (rollout.LAST["path"], and
-    "+triton" when its GEMMs were decode_gemm's)"""
+    "+triton" or "+cuda" when a bucket's GEMMs were decode_gemm's or decode_cuda's)"""
     completion_ids, completion_mask, sampler_logp = generate_groups(
         model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature=temperature, top_p=top_p,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, return_logprobs=True)  # (B*G, C) each
@@ -53,7 +53,7 @@ def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temp
                & (completion_mask == 1)).any(1)  # (B*G,)
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(), completion_ids=completion_ids,
                 completion_mask=completion_mask, truncated=~has_eos, group_size=group_size, sampler_logp=sampler_logp,
-                decode=LAST["path"] + ("+triton" if LAST.get("gemm") == "triton" else ""))
+                decode=LAST["path"] + (f"+{LAST['gemm']}" if LAST.get("gemm") in LAST.get("gemms", ()) else ""))
 
 
 def select_groups(buf, idx):

@@ -437,12 +437,12 @@ def bench_lora(path=None, r=16, B=8, G=8, P=64, T=1024):
 
 
 def set_globals(args):
-    """module.GLOBAL=value arguments (rollout, decode_kernels or decode_gemm) set, the rest returned"""
+    """module.GLOBAL=value arguments (rollout, decode_kernels, decode_gemm or decode_cuda) set, the rest returned"""
     import ast
     rest = []
     for a in args:
         mod, _, key = a.partition("=")[0].partition(".")
-        if mod in ("rollout", "decode_kernels", "decode_gemm") and "=" in a:
+        if mod in ("rollout", "decode_kernels", "decode_gemm", "decode_cuda") and "=" in a:
             assert hasattr(sys.modules[mod], key), f"{mod} has no global {key}"
             setattr(sys.modules[mod], key, ast.literal_eval(a.partition("=")[2]))
             print(f"{mod}.{key} = {getattr(sys.modules[mod], key)!r}")
@@ -463,6 +463,6 @@ if __name__ == "__main__":
     elif argv[:1] == ["lora"]:
         bench_lora(*argv[1:2])
     elif argv[:1] == ["profile"]:
-        bench_profile(*argv[1:2])
+        bench_profile(*argv[1:2], *[tuple(int(a) for a in argv[2:])] if argv[2:] else [])  # profile 1.5B 16 8
     else:
         main(argv)

@@ -14,10 +14,11 @@ A decode step of B*G rows must read every weight once plus every live row's K/V.
 3. Few GEMMs. At decode, M = live rows (8-128), and a cuBLAS GEMM costs 4-7 us whatever its size, so the count of
    GEMMs matters more than their bytes: decode_forward runs the model's own modules (embedding, RoPE, norms,
    o_proj, activation, down_proj, LM head) but q|k|v as one GEMM and gate|up as another, on weights concatenated
-   once per call (FUSE; 7 GEMMs a layer become 4). DECODE_GEMM = "triton" runs those 4 as decode_gemm's
-   decode_linear, with the norms, RoPE, SiLU-mul and residual adds inside their launches, in buckets of up to
-   TRITON_GEMM_MAX_ROWS slots (opt-in: at the 1.5B shape 3% faster there than the default, at 0.5B no faster;
-   larger buckets, where it is slower, run cuBLAS on the same weights).
+   once per call (FUSE; 7 GEMMs a layer become 4). DECODE_GEMM = "cuda" runs those 4 as decode_cuda's kernels in
+   buckets of up to CUDA_GEMM_MAX_ROWS slots: each loads its weights before the PDL wait, so they stream while the
+   kernel before still runs, with the norm, SiLU-mul and residual add in the same launch. DECODE_GEMM = "triton"
+   runs them as decode_gemm's decode_linear (RoPE too) in buckets of up to TRITON_GEMM_MAX_ROWS slots. Both are
+   opt-in; larger buckets run cuBLAS.
 
 Each decode step (model forward, sampling, bookkeeping) is one CUDA graph replay; the host only checks "done" every
 CHECK_EVERY steps. Sampling needs no host sync either (decode_kernels.py: inverse-CDF Triton kernels, or torch ops
@@ -48,6 +49,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+import decode_cuda  # (registers the op nanogrpo::decode_linear_cuda)
 from decode_gemm import decode_linear_op, fold_norm, rms_norm_torch  # noqa: F401 (decode_linear_op: registers the op)
 import decode_kernels
 from decode_kernels import decode_attention_op, sample, sample_triton
@@ -68,11 +70,14 @@ COMPILE_MIN_TOKENS = 128  # ...from this many new tokens on: the first compile c
 COMPILE_BACKEND = "inductor"  # on CUDA; on the CPU only another backend compiles (tests: aot_eager, no C++ compiler)
 FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); False: the model's own forward
 DECODE_GEMM = "torch"  # decode_forward's GEMMs: torch (cuBLAS; the compiler fuses norms, SiLU, residuals around them)
+#                | cuda (decode_cuda.decode_linear_cuda: W loaded before the PDL wait, the norm, SiLU*up and residual
+#                  in the launch; Hopper, bf16; buckets of up to CUDA_GEMM_MAX_ROWS slots, larger ones the default)
 #                | triton (decode_gemm.decode_linear: RMSNorm, RoPE, SiLU*up, residual inside the GEMM's launch,
 #                  for buckets of up to TRITON_GEMM_MAX_ROWS slots; larger ones run cuBLAS on the same weights)
 TRITON_GEMM_MAX_ROWS = 16  # H200, both with PDL, one process: with decode_linear a step at 1.5B took 1.71 / 1.65 ms
 #                            at 16 / 8 rows against 1.75 / 1.69; at 0.5B 1.06 / 1.02 against 1.05 / 1.02, and at
 #                            32 rows 1.54 against 1.12 (BENCHMARKS, "The triton GEMMs under PDL")
+CUDA_GEMM_MAX_ROWS = 16  # (decode_cuda.MAX_ROWS at most)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose inv_freq never changes (not dynamic NTK)
 LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl, decode path (tests, benchmarks)
 
@@ -209,10 +214,10 @@ def fuse_projections(model):
     return fused
 
 
-def triton_gemms_fit(model, fused, device):
-    """decode_forward's GEMMs may be decode_gemm.decode_linear (DECODE_GEMM = "triton"): its prologue is
-    transformers' RMSNorm (weight * x / rms, eps variance_epsilon), its epilogue SiLU(gate) * up, its inputs and
-    the weights it reads (fuse_projections': a LoRA adapter folded in) one dtype, no autocast"""
+def gemms_fit(model, fused, device):
+    """decode_forward's GEMMs may be decode_gemm's or decode_cuda's (DECODE_GEMM triton or cuda): their prologue is
+    transformers' RMSNorm (weight * x / rms, eps variance_epsilon), their epilogue SiLU(gate) * up, their inputs and
+    the weights they read (fuse_projections': a LoRA adapter folded in) one dtype, no autocast"""
     norms = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
     dt = model.model.embed_tokens.weight.dtype
     return (getattr(model.config, "hidden_act", None) == "silu" and not torch.is_autocast_enabled(device.type)
@@ -223,8 +228,11 @@ def triton_gemms_fit(model, fused, device):
 
 def project(st, x, w, b, norm=None, act=None, residual=None):
     """one decode GEMM with its neighbours: residual + act(norm(x) @ W^T + b), act(y) = act_fn(gate) * up on W's
-    two halves [gate; up]. st.gemm "triton": one decode_gemm launch; else the model's modules and F.linear ("folded":
-    on the triton path's weights, the norm's weight in W: the norm without it)"""
+    two halves [gate; up]. st.gemm "triton" or "cuda": one launch of decode_gemm's or decode_cuda's; else the model's
+    modules and F.linear ("folded": on the triton path's weights, the norm's weight in W: the norm without it)"""
+    if st.gemm == "cuda":
+        return torch.ops.nanogrpo.decode_linear_cuda(x, w, b, None if norm is None else norm.weight, residual,
+                                                     0. if norm is None else norm.variance_epsilon, act is not None)
     if st.gemm == "triton":
         return torch.ops.nanogrpo.decode_linear(x, w, b, norm is not None, residual,  # (W: the norm's weight in)
                                                 0. if norm is None else norm.variance_epsilon, act is not None,
@@ -466,8 +474,9 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                                 pos=pos[:, -1:].repeat_interleave(G, 0) + 1, done=done)  # (n,), (n, 1), (n, 1), (n,)
         fused = fuse_projections(model) if FUSE else None
         forward_fn = decode_forward if fused is not None else model_forward
-        gemm = "triton" if DECODE_GEMM == "triton" and fused is not None and triton_gemms_fit(model, fused, dev) \
-            else "torch"
+        gemm = DECODE_GEMM if DECODE_GEMM in ("triton", "cuda") and fused is not None and \
+            gemms_fit(model, fused, dev) and not (DECODE_GEMM == "cuda" and decode_cuda.unsupported(
+                dev, model.model.embed_tokens.weight.dtype)) else "torch"
         rope = None
         if gemm == "triton":  # RoPE in q|k|v's epilogue where it can; W with the RMSNorm's weight in its columns
             rope = epilogue_rope(model, dev)
@@ -476,13 +485,15 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                      for layer, (w_qkv, b_qkv, w_gu, b_gu, *rest) in zip(model.model.layers, fused)]
         LAST.clear()
         LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None, gemm=gemm,
-                    gemms=[], rope="epilogue" if rope else "torch")  # (gemms: each bucket's: torch, triton or folded)
+                    gemms=[], rope="epilogue" if rope else "torch")  # (gemms: each bucket's: torch, triton, cuda, folded)
 
         def make_step(sl):
             # (the attention op picks the split count for the slots it gets; rope: epilogue_rope's fields)
-            big = gemm == "triton" and sl.rows.shape[0] > TRITON_GEMM_MAX_ROWS  # (cuBLAS on the folded W)
+            n = sl.rows.shape[0]  # (above the custom GEMMs' bucket sizes: cuBLAS, on the folded W for triton)
             st = SimpleNamespace(layers=layers, rows=sl.rows, done=sl.done, start=start, slot=slot, G=G,
-                                 impl=attn_impl, gemm="folded" if big else gemm, **(rope or dict(rope=None)))
+                                 impl=attn_impl, gemm="folded" if gemm == "triton" and n > TRITON_GEMM_MAX_ROWS else
+                                 "torch" if gemm == "cuda" and n > CUDA_GEMM_MAX_ROWS else gemm,
+                                 **(rope or dict(rope=None)))
             LAST["gemms"].append(st.gemm)
 
             def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)

@@ -841,22 +841,94 @@ def test_rollout_logprobs_are_the_samplers():
 
 
 @check
+def test_decode_cuda_plans_and_compiles_for_hopper():
+    """decode_cuda's kernels, with no GPU here: plan gives each of a decode layer's four GEMMs a configuration at
+    1-16 rows on Qwen2.5 0.5B-7B, Llama 3.2 1B / 3.1 8B, Qwen3 0.6B / 1.7B and SmolLM2 shapes (whole K splits and
+    chunks, a chunk a multiple of its warps' 16-column mma steps, the norm and SiLU * up unsplit, a grid of whole
+    splits, shared memory within Hopper's 227 KB a CTA and two CTAs an SM where it says two), and the ones the H200
+    sweeps found at 0.5B and 1.5B. With nvcc (13.0 here; skipped without), the 0.5B and 1.5B kernels compile for
+    sm_90 without spills, and in the PTX the weight copies come before the PDL wait and the next kernel's launch
+    after it: the order that lets the weights stream while the kernel before still runs."""
+    import concurrent.futures
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+    import decode_cuda as dc
+    shapes = dict(q05=(896, 4864, 14, 2, 64), q15=(1536, 8960, 12, 2, 128), q3=(2048, 11008, 16, 2, 128),
+                  q7=(3584, 18944, 28, 4, 128), l1=(2048, 8192, 32, 8, 64), l8=(4096, 14336, 32, 8, 128),
+                  qw06=(1024, 3072, 16, 8, 128), qw17=(2048, 6144, 16, 8, 128), smol=(576, 1536, 9, 3, 64))
+    plans = {}
+    for name, (H, I, nq, nkv, D) in shapes.items():
+        for M in range(1, 17):
+            for what, (N, K, norm, glu) in dict(qkv=((nq + 2 * nkv) * D, H, True, False), o=(H, nq * D, False, False),
+                                                gu=(I, H, True, True), down=(H, I, False, False)).items():
+                p = dc.plan(M, N, K, norm, glu, 132)
+                assert p is not None, f"{name} {what} M={M}: no plan"
+                (d, grid), ntile = p, 2 if glu else 1
+                plans[(name, what, M)] = d
+                step, kc = 16 * d["NW"] // ntile, K // d["KS"]
+                assert K % d["KS"] == 0 and kc % d["KCH"] == 0 and d["KCH"] % step == 0, f"{name} {what} {M}: {d}"
+                assert d["KS"] == 1 or not (norm or glu), f"{name} {what}: the norm needs the whole K: {d}"
+                assert d["MT"] * 8 >= M and grid % d["KS"] == 0 and grid <= 2 * 132, f"{name} {what} {M}: {p}"
+                per_sm = 2 if grid > 132 else 1
+                assert dc.smem_bytes(d) <= 227 * 1024 and per_sm * (dc.smem_bytes(d) + 2048) <= 228 * 1024, \
+                    f"{name} {what} M={M}: {dc.smem_bytes(d)} B of shared memory, {per_sm} CTAs an SM"
+    assert dc.plan(17, 896, 896, False, False, 132) is None and dc.plan(8, 896, 900, False, False, 132) is None
+    sub = lambda d, **kw: all(d[k] == v for k, v in kw.items())  # noqa: E731
+    assert sub(plans["q05", "gu", 8], KCH=896, NST=3) and sub(plans["q05", "down", 8], KS=4, NW=4, KCH=1216)
+    assert sub(plans["q15", "gu", 8], KCH=768, NST=2) and sub(plans["q15", "down", 8], KS=5, KCH=1792, NST=1)
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("    (no nvcc: the sm_90 compile is not checked here)")
+        return
+    todo = {tuple(sorted(d.items())): d for (name, _, M), d in plans.items() if name in ("q05", "q15") and M in (8, 16)}
+    with tempfile.TemporaryDirectory() as tmp:
+        def build(i_d):
+            i, d = i_d
+            src = os.path.join(tmp, f"k{i}.cu")
+            with open(src, "w") as f:
+                f.write(dc.source(d))
+            out = "-ptx" if i == 0 else "-cubin"
+            res = subprocess.run([nvcc, "-arch=sm_90", out, "-std=c++17", "-Xptxas", "-v", "-o", src + ".out", src],
+                                 capture_output=True, text=True)
+            ptx = open(src + ".out").read() if i == 0 and res.returncode == 0 else ""
+            return d, res, ptx
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for d, res, ptx in pool.map(build, enumerate(todo.values())):
+                assert res.returncode == 0, f"{d}: nvcc failed\n{res.stderr[-2000:]}"
+                spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
+                assert all(n == "0" for n in spills), f"{d}: register spills\n{res.stderr[-1000:]}"
+                if ptx:
+                    order = [ptx.find(t) for t in ("cp.async.bulk.shared", "griddepcontrol.wait",
+                                                   "griddepcontrol.launch_dependents")]
+                    assert -1 not in order and order == sorted(order), f"{d}: PTX order {order}"
+
+
+@check
 @_kv_one_thread
 def test_rollout_greedy_matches_hf_generate():
     """greedy generate_groups == model.generate on each prompt alone; mixed prompt lengths (left padding) and equal
     ones; sdpa and eager models; an EOS list that ends row 0 mid-way (the live rows are compacted into smaller
     buckets, asserted), and one that ends every row by step 2 (the trailing all-padding columns are trimmed); the
-    triton GEMMs in small buckets and cuBLAS on the same folded weights in larger ones"""
+    triton GEMMs in small buckets and cuBLAS on the same folded weights in larger ones; the cuda GEMMs' plumbing
+    (the op nanogrpo::decode_linear_cuda with the norm's weight, eps, residual and SiLU * up as rollout passes them;
+    on the CPU it runs decode_linear_torch) in small buckets, cuBLAS in larger ones"""
+    import decode_cuda
+    from unittest import mock
     G, T = 3, 12
     with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True, DECODE_GEMM="torch",
-                        TRITON_GEMM_MAX_ROWS=4) as rollout:  # (triton: 9 slots on cuBLAS, folded W; <= 4 triton)
-        compacted, gemms = False, set()
+                        TRITON_GEMM_MAX_ROWS=4, CUDA_GEMM_MAX_ROWS=4) as rollout, \
+            mock.patch.object(decode_cuda, "unsupported", lambda device, dtype: None):  # (9 slots: cuBLAS; <= 4
+        #                                                 theirs; cuda on the CPU: its plumbing, through the reference)
+        compacted, gemms = False, {"triton": set(), "cuda": set()}
         for arch, attn, lens, fuse, gemm in (
                 ("llama", "sdpa", (7, 2, 4), True, "torch"), ("qwen2", "sdpa", (7, 2, 4), True, "torch"),
                 ("qwen2", "sdpa", (7, 7, 7), True, "torch"), ("llama", "eager", (7, 2, 4), False, "torch"),
                 ("qwen3", "sdpa", (3, 7, 5), True, "torch"), ("qwen3", "sdpa", (3, 7, 5), False, "torch"),
                 ("llama", "sdpa", (7, 2, 4), True, "triton"), ("qwen2", "sdpa", (7, 2, 4), True, "triton"),
-                ("qwen3", "sdpa", (3, 7, 5), True, "triton")):
+                ("qwen3", "sdpa", (3, 7, 5), True, "triton"), ("qwen2", "sdpa", (7, 2, 4), True, "cuda"),
+                ("qwen3", "sdpa", (3, 7, 5), True, "cuda")):
             rollout.FUSE = fuse  # decode_forward (fused q|k|v, gate|up) or the model's own forward
             rollout.DECODE_GEMM = gemm  # decode_forward's GEMMs: F.linear, or decode_gemm.decode_linear
             model = _kv_model(arch, tied=arch == "qwen2", attn_implementation=attn)
@@ -868,7 +940,7 @@ def test_rollout_greedy_matches_hf_generate():
                 ids, mask = rollout.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=0.0,
                                                     eos_token_id=eos, pad_token_id=0)
                 compacted |= len(rollout.LAST["buckets"]) > 1
-                gemms |= set(rollout.LAST["gemms"]) if gemm == "triton" else set()
+                gemms.get(gemm, set()).update(rollout.LAST["gemms"])
                 assert rollout.LAST["fused"] == fuse, f"{name}: fused path {rollout.LAST['fused']}, want {fuse}"
                 assert rollout.LAST["gemm"] == (gemm if fuse else "torch"), f"{name}: gemm {rollout.LAST['gemm']}"
                 assert (rollout.LAST["rope"] == "epilogue") == (gemm == "triton"), f"{name}: {rollout.LAST['rope']}"
@@ -881,7 +953,7 @@ def test_rollout_greedy_matches_hf_generate():
                     assert mask[r, :n].all() and not mask[r, n:].any() and (ids[r, n:] == 0).all(), f"{name} row {r}"
                 assert lens_ref[0] <= 4, f"{name}: EOS did not end row 0 early"
         assert compacted, "no call compacted its live rows into a smaller bucket"
-        assert gemms == {"folded", "triton"}, f"the triton GEMMs' buckets and cuBLAS's on their weights: {gemms}"
+        assert gemms == {"triton": {"folded", "triton"}, "cuda": {"torch", "cuda"}}, f"custom GEMMs' buckets: {gemms}"
 
         class Shifted(torch.nn.Linear):  # a projection that is more than x @ W^T + b (as a LoRA or quantized one is)
             def forward(self, x):
@@ -917,14 +989,17 @@ def test_rollout_decode_parts_compile_once():
     free = _kv_generate_reference(model, prompt_ids, prompt_mask, 12, eos=99999)
     eos = [free[0][3], free[1][3]]  # two of three groups end at token 3: the live third fits a bucket of 4 < 9 / 2
     ref = _kv_generate_reference(model, prompt_ids, prompt_mask, 12, eos=eos)
-    for gemm, max_rows in (("torch", 16), ("triton", 16), ("triton", 4)):  # (triton: the op nanogrpo::decode_linear
-        torch._dynamo.reset()                                               # inside the graphs; 4: cuBLAS on its
-        rollout.COMPILED.clear()                                            # folded W for the 9-slot bucket)
-        counters.clear()
+    import decode_cuda
+    from unittest import mock
+    for gemm, max_rows in (("torch", 16), ("triton", 16), ("triton", 4), ("cuda", 4)):  # (triton: the op
+        torch._dynamo.reset()                       # nanogrpo::decode_linear inside the graphs; 4: cuBLAS (on the
+        rollout.COMPILED.clear()                    # folded W for triton) in the 9-slot bucket; cuda: the op
+        counters.clear()                            # nanogrpo::decode_linear_cuda, on the CPU its reference)
         try:
             with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True, DECODE_GEMM=gemm,
-                                TRITON_GEMM_MAX_ROWS=max_rows, COMPILE_BACKEND="aot_eager",
-                                COMPILE_MIN_TOKENS=1) as r:
+                                TRITON_GEMM_MAX_ROWS=max_rows, CUDA_GEMM_MAX_ROWS=max_rows,
+                                COMPILE_BACKEND="aot_eager", COMPILE_MIN_TOKENS=1) as r, \
+                    mock.patch.object(decode_cuda, "unsupported", lambda device, dtype: None):
                 ids, mask = r.generate_groups(model, prompt_ids, prompt_mask, 3, 12, temperature=0.0,
                                               eos_token_id=eos, pad_token_id=0)
                 last = dict(r.LAST)
@@ -933,10 +1008,11 @@ def test_rollout_decode_parts_compile_once():
             rollout.COMPILED.clear()
         assert last["compiled"] and "compile_error" not in last, f"{gemm}: {last}"
         assert len(last["buckets"]) > 1 and last["gemm"] == gemm, f"{gemm}: buckets {last['buckets']}, {last}"
-        assert max_rows > 9 or last["gemms"][0] == "folded", f"{gemm} {max_rows}: {last['gemms']}"
+        assert max_rows > 9 or last["gemms"][0] == {"triton": "folded", "cuda": "torch"}[gemm], \
+            f"{gemm} {max_rows}: {last['gemms']}"
         graphs, kinds = counters["stats"]["unique_graphs"], len(set(last["gemms"]))
         assert graphs == 3 * kinds, f"{gemm}: {graphs} graphs for buckets {last['buckets']} ({kinds} GEMM kinds): " \
-            "a recompile per layer or per bucket"  # (the GEMM kind is part of the trace: folded vs triton)
+            "a recompile per layer or per bucket"  # (the GEMM kind is part of the trace: folded vs triton, ...)
         for row in range(ids.shape[0]):
             n = int(mask[row].sum())
             assert ids[row, :n].tolist() == ref[row // 3][:n], f"{gemm}: row {row}"

@@ -1,0 +1,473 @@
+"""
+The decode step's GEMMs as CUDA kernels that load their weights before the PDL wait (rollout.DECODE_GEMM = "cuda").
+
+At decode a GEMM reads its whole weight to make a few rows. Kernel by kernel, a GEMM starts reading W only once the
+kernel before it has ended, so each of a layer's links (q|k|v, attention, o, gate|up, down) costs its latency on
+top of the bytes (BENCHMARKS: "The floor of a dependent link"). W does not depend on the kernel before, though. Under
+Hopper's programmatic dependent launch (PDL) a kernel's CTAs may start while the one before still runs, so each CTA
+here first bulk-copies its W rows into shared memory, and only then waits (griddepcontrol.wait) for x:
+
+    y = act(RMSNorm(x) @ W^T + b) + residual      act: SiLU(gate) * up on W = [gate; up] (2N, K)
+
+    per CTA:  W chunks -> shared memory (cp.async.bulk, a ring of NST slots of KCH columns)    <- before the wait
+              griddepcontrol.wait; x (M <= 16 rows, this CTA's K range) -> shared memory; launch_dependents
+              RMSNorm of x as transformers rounds it: bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))
+              for each of its 16-row tiles of W, chunk by chunk: mma.sync m16n8k16, W as A (16 x 16), x as B
+              epilogue: + b, SiLU(gate) * up, + residual, each rounded to bf16 where the model's ops round
+    split K (long K, few tiles: down_proj): each split stores float32 partial sums, the last to arrive (a counter a
+    tile) sums them in split order, so the bits do not depend on the timing.
+
+On an H200 a layer's four GEMMs chained this way took 19.8 us at the 0.5B shape and 8 rows against 31.6 for the
+engine's torch.compile + PDL (41.2 against 49.9 at 1.5B), where the same kernels with W loaded after the wait did not
+win (BENCHMARKS, "Weights before the PDL wait, in CUDA"). Memory order under PDL: a kernel writes nothing before its
+wait (which returns once the kernel before has finished and flushed), and lets the next kernel launch only after it
+has read x. Its residual is read in the epilogue, after that: the kernels that follow one of these in the decode
+forward (these, the attention's, or a compiled one that reads this output) all wait before they write.
+
+The source is compiled at first use by NVRTC (torch.cuda._compile_kernel) for the GPU at hand, once per
+configuration; sm_90 or later (PDL, cp.async.bulk), bf16, M <= 16 rows. decode_gemm.decode_linear_torch is the
+reference; `python decode_cuda.py [0.5B|1.5B] [rows ...]` checks and times each GEMM and a layer's chain on a GPU.
+"""
+import ctypes
+import sys
+from typing import Optional
+
+import torch
+
+from decode_gemm import decode_linear_torch
+from decode_kernels import counters
+
+SRC = r"""
+#include <cuda_bf16.h>
+typedef unsigned int u32;
+typedef unsigned long long u64;
+// compile-time: K, KS (K splits), MT (8-row x tiles), NORM, GLU, NW (warps), KCH (a chunk of K), NST (ring slots)
+#define KC (K / KS)                // a split's K range
+#define NCH (KC / KCH)             // its chunks
+#define SROWB (KCH * 2 + 16)       // a W row in a slot, padded: the 32-bit fragment loads hit distinct banks
+#define XROWB (KC * 2 + 16)
+#define NTILE (GLU ? 2 : 1)        // 16-row W tiles an item: gate and up rows n, N + n
+#define WROWS (NTILE * 16)
+#define XR (MT * 8)
+#define SPLITW (NW / NTILE)        // warps on a tile, each a slice of every chunk
+#define SLOT (WROWS * SROWB)
+static_assert(KS == 1 || (!NORM && !GLU), "the norm and SiLU * up need the whole K in one CTA");
+
+__device__ __forceinline__ u32 saddr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ float bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
+__device__ __forceinline__ u32 ld32(const unsigned char* p) { return *reinterpret_cast<const u32*>(p); }
+__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1)); }
+__device__ __forceinline__ void expect_bytes(u64* bar, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(saddr(bar)), "r"(bytes) : "memory"); }
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, int bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(saddr(dst)), "l"(src), "r"(bytes), "r"(saddr(bar)) : "memory"); }
+__device__ __forceinline__ void wait_bytes(u64* bar, int parity) {
+    u32 ok = 0;
+    while (!ok)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(ok) : "r"(saddr(bar)), "r"(parity) : "memory"); }
+
+extern "C" __global__ void __launch_bounds__(NW * 32)
+decode_gemv(const __nv_bfloat16* W, const __nv_bfloat16* x, int ldx, const __nv_bfloat16* norm_w,
+            const __nv_bfloat16* bias, const __nv_bfloat16* res, int ldr, __nv_bfloat16* y, int ldy,
+            float* part, int* count, int M, int N, float eps)
+{
+    extern __shared__ __align__(128) unsigned char sm[];
+    unsigned char* ring = sm;                                          // NST x (WROWS x SROWB)
+    unsigned char* xs = sm + NST * SLOT;                                // XR x XROWB: x, normalized if NORM
+    float* red = reinterpret_cast<float*>(xs + XR * XROWB);             // (NTILE, SPLITW, 16, XR) warp sums
+    unsigned char* nws = reinterpret_cast<unsigned char*>(red + NTILE * SPLITW * 16 * XR);  // norm weight (K)
+    __shared__ __align__(8) u64 full[NST];
+    __shared__ __align__(8) u64 nbar;
+#if NORM
+    __shared__ float rstd[XR];
+#endif
+#if KS > 1
+    __shared__ int last;
+#endif
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int ntiles = (N + 15) / 16;
+    const int ks = blockIdx.x % KS, t0 = blockIdx.x / KS, tstep = gridDim.x / KS;   // tiles t0, t0 + tstep, ...
+    const int S = (t0 < ntiles ? (ntiles - t0 + tstep - 1) / tstep : 0) * NCH;      // stages: (item, chunk)
+    if (tid == 0) {
+        for (int i = 0; i < NST; ++i) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(saddr(full + i)));
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(saddr(&nbar)));
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    auto issue = [&](int s) {   // warp 0: stage s's W rows (item s / NCH, chunk s % NCH) into slot s % NST
+        const int n0 = (t0 + (s / NCH) * tstep) * 16, k0 = ks * KC + (s % NCH) * KCH;
+        u64* b = full + s % NST;
+        if (lane == 0) expect_bytes(b, min(16, N - n0) * NTILE * KCH * 2);
+        __syncwarp();
+        unsigned char* dst = ring + (s % NST) * SLOT;
+        for (int r = lane; r < WROWS; r += 32) {
+            const int n = n0 + r % 16;
+            if (n < N) bulk_copy(dst + r * SROWB, W + (long long)(r < 16 ? n : N + n) * K + k0, KCH * 2, b);
+        }
+    };
+    if (warp == 0) {   // what does not depend on the kernel before: the norm's weight and the first NST stages of W
+        if (NORM && lane == 0) { expect_bytes(&nbar, K * 2); bulk_copy(nws, norm_w, K * 2, &nbar); }
+        for (int s = 0; s < NST && s < S; ++s) issue(s);
+    }
+    asm volatile("griddepcontrol.wait;" ::: "memory");   // PDL: the kernel before has finished, its writes visible
+    {   // x rows (zero past M), this split's K range: every load issued before any store
+        constexpr int NV = XR * (KC / 8), PER = (NV + NW * 32 - 1) / (NW * 32);
+        uint4 v[PER];
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int i = tid + j * NW * 32, r = i / (KC / 8), c = (i % (KC / 8)) * 8;
+            v[j] = make_uint4(0, 0, 0, 0);
+            if (i < NV && r < M) v[j] = *reinterpret_cast<const uint4*>(x + (long long)r * ldx + ks * KC + c);
+        }
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int i = tid + j * NW * 32, r = i / (KC / 8), c = (i % (KC / 8)) * 8;
+            if (i < NV) *reinterpret_cast<uint4*>(xs + r * XROWB + c * 2) = v[j];
+        }
+    }
+    __syncthreads();
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");   // x is read: the next kernel may launch
+#if NORM
+    wait_bytes(&nbar, 0);
+    for (int r = warp; r < M; r += NW) {   // rstd = rsqrt(mean(x^2) + eps), float32 as transformers' RMSNorm
+        float s = 0.f;
+        for (int c = lane * 8; c < K; c += 256) {
+            const uint4 v = *reinterpret_cast<const uint4*>(xs + r * XROWB + c * 2);
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) { const float2 f = __bfloat1622float2(h[e]); s += f.x * f.x + f.y * f.y; }
+        }
+        for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+        if (lane == 0) rstd[r] = rsqrtf(s / K + eps);
+    }
+    __syncthreads();
+    for (int i = tid; i < M * (K / 8); i += NW * 32) {
+        const int r = i / (K / 8), c = (i % (K / 8)) * 8;
+        uint4* p = reinterpret_cast<uint4*>(xs + r * XROWB + c * 2);
+        uint4 v = *p;
+        const uint4 w = *reinterpret_cast<const uint4*>(nws + c * 2);
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+        const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&w);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float2 f = __bfloat1622float2(h[e]), g = __bfloat1622float2(g2[e]);
+            h[e] = __floats2bfloat162_rn(g.x * bf(f.x * rstd[r]), g.y * bf(f.y * rstd[r]));
+        }
+        *p = v;
+    }
+    __syncthreads();
+#endif
+    // mma fragments (PTX m16n8k16): lane = 4 g + q holds W rows g, g + 8 at columns 2q, 2q + 1 (+ 8) and x row g
+    const int g = lane / 4, q = lane % 4, ut = warp / SPLITW, us = warp % SPLITW;   // this warp's tile, K slice
+    float acc[MT][4] = {};
+    for (int s = 0; s < S; ++s) {
+        const int item = s / NCH, ch = s % NCH;
+        wait_bytes(full + s % NST, (s / NST) & 1);
+        const unsigned char* ws = ring + (s % NST) * SLOT;
+        const int k0 = us * (KCH / SPLITW), k1 = k0 + KCH / SPLITW;
+#pragma unroll 4
+        for (int k = k0; k < k1; k += 16) {
+            const unsigned char* wa = ws + (ut * 16 + g) * SROWB + (k + 2 * q) * 2;
+            const u32 a0 = ld32(wa), a1 = ld32(wa + 8 * SROWB), a2 = ld32(wa + 16), a3 = ld32(wa + 8 * SROWB + 16);
+            const unsigned char* xb = xs + g * XROWB + (ch * KCH + k + 2 * q) * 2;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                mma(acc[mt], a0, a1, a2, a3, ld32(xb + mt * 8 * XROWB), ld32(xb + mt * 8 * XROWB + 16));
+        }
+        if (ch == NCH - 1) {   // the item's K is done: this warp's sums to shared memory
+            float* rd = red + ((ut * SPLITW + us) * 16) * XR;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                rd[g * XR + mt * 8 + 2 * q] = acc[mt][0];
+                rd[g * XR + mt * 8 + 2 * q + 1] = acc[mt][1];
+                rd[(g + 8) * XR + mt * 8 + 2 * q] = acc[mt][2];
+                rd[(g + 8) * XR + mt * 8 + 2 * q + 1] = acc[mt][3];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[mt][e] = 0.f;
+            }
+        }
+        __syncthreads();                                     // the slot is free (and an item's sums are in red)
+        if (warp == 0 && s + NST < S) issue(s + NST);
+        if (ch != NCH - 1) continue;
+        const int tile = t0 + item * tstep, n0 = tile * 16;
+        auto sum = [&](int t, int j, int m) {   // tile t's row j, x row m: over the warps' K slices, in order
+            float v = 0.f;
+            for (int u = 0; u < SPLITW; ++u) v += red[((t * SPLITW + u) * 16 + j) * XR + m];
+            return v; };
+#if KS > 1
+        for (int i = tid; i < M * 16; i += NW * 32) {
+            const int m = i / 16, j = i % 16, n = n0 + j;
+            if (n < N) part[((long long)ks * M + m) * N + n] = sum(0, j, m);
+        }
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) last = atomicAdd(count + tile, 1) == KS - 1;
+        __syncthreads();
+        if (last) {
+            __threadfence();
+            if (tid == 0) count[tile] = 0;   // reset for the next launch
+#endif
+            for (int i = tid; i < M * 16; i += NW * 32) {
+                const int m = i / 16, j = i % 16, n = n0 + j;
+                if (n >= N) continue;
+#if KS > 1
+                float v = 0.f;
+                for (int u = 0; u < KS; ++u) v += __ldcg(part + ((long long)u * M + m) * N + n);
+#else
+                float v = sum(0, j, m);
+#endif
+                if (bias) v += __bfloat162float(bias[n]);
+#if GLU
+                float up = sum(1, j, m);
+                if (bias) up += __bfloat162float(bias[N + n]);
+                const float gate = bf(v);
+                float o = bf(bf(gate / (1.f + __expf(-gate))) * bf(up));
+#else
+                float o = bf(v);
+#endif
+                if (res) o = bf(__bfloat162float(res[(long long)m * ldr + n]) + o);
+                y[(long long)m * ldy + n] = __float2bfloat16(o);
+            }
+#if KS > 1
+        }
+#endif
+        __syncthreads();                                     // red is free again
+    }
+}
+"""
+
+MAX_ROWS = 16  # M <= 16: two 8-row x tiles in the mma's n
+SLOT_BYTES = 60 * 1024  # a ring slot: the largest chunk of K whose W rows fit this
+WHOLE_BYTES = 180 * 1024  # a CTA's whole W in flight if it fits this (0.5B gate|up: 3 tiles, 174 KB)...
+RING_BYTES = 120 * 1024  # ...else a ring of this much (1.5B gate|up: 2 slots, so down's CTAs find room beside it)
+SPLIT_KC = (1024, 2048)  # split K (no norm, no SiLU * up, K > the upper end) into ranges of this many columns
+SMEM_CTA = 227 * 1024  # Hopper's shared memory: a CTA's most, and an SM's (228 KB, 1 KB reserved a CTA)
+SMEM_SM = 228 * 1024
+
+
+def smem_bytes(d):
+    """a configuration's dynamic shared memory: the ring, x, the warps' sums, the norm's weight"""
+    ntile = 2 if d["GLU"] else 1
+    return (d["NST"] * ntile * 16 * (2 * d["KCH"] + 16) + d["MT"] * 8 * (2 * d["K"] // d["KS"] + 16)
+            + ntile * (d["NW"] // ntile) * 16 * d["MT"] * 8 * 4 + (2 * d["K"] if d["NORM"] else 0))
+
+
+def plan(M, N, K, norm, glu, sms):
+    """(defines, grid) of decode_gemv for an (M, K) x (N or 2N, K) GEMM on `sms` SMs, or None where none fits (the
+    caller falls back to torch). From the sweeps on an H200 (BENCHMARKS): 8 warps (4 where a split of K needs them),
+    a 16-row tile of W an item, persistent CTAs (one an SM, two for split K), K unsplit but for a long K with too few
+    tiles (down_proj: ranges of 1-2K columns, the split count closest to two CTAs an SM), chunks of K as large as a
+    slot holds, the whole W of a CTA in flight where it fits, else a ring of RING_BYTES"""
+    if M < 1 or M > MAX_ROWS or K % 8 or N < 1:
+        return None
+    ntile, ntiles, mt = (2 if glu else 1), -(-N // 16), -(-M // 8)
+    cands = []
+    for nw in (8, 4):
+        step = 16 * (nw // ntile)  # a chunk is split over the tile's warps in 16-column mma steps
+        if norm or glu or K <= SPLIT_KC[1]:
+            cands += [(0, 0, -nw, 1)] if K % step == 0 else []
+        else:  # (ranges up to twice SPLIT_KC's end where no split count gives one in it: 3B's K = 11008 = 256 x 43)
+            cands += [(K // ks > SPLIT_KC[1], abs(ntiles * ks - 2 * sms), -nw, ks) for ks in range(2, 65)
+                      if K % (ks * step) == 0 and SPLIT_KC[0] <= K // ks <= 2 * SPLIT_KC[1]]
+    for per_sm in (2, 1):  # split K: two CTAs an SM where some split count fits them (16 rows: a shorter range)
+        for *_, nw, ks in sorted(cands):
+            nw, kc, step = -nw, K // ks, 16 * (-nw // ntile)
+            if per_sm == 2 and ks == 1:
+                continue
+            kch = max((c for c in range(step, kc + 1, step) if kc % c == 0 and ntile * 16 * (2 * c + 16) <= SLOT_BYTES),
+                      default=0)
+            if kch < 256:  # (a prime factor in K/step: chunks would be tiny) the whole range in one slot, if it fits
+                kch = kc if ntile * 16 * (2 * kc + 16) <= 2 * SLOT_BYTES else 0
+            if not kch:
+                continue
+            slot = ntile * 16 * (2 * kch + 16)
+            grid = ks * min(ntiles, max(1, per_sm * sms // ks))
+            stages = -(-ntiles // (grid // ks)) * (kc // kch)
+            nst = stages if stages * slot <= WHOLE_BYTES else max(1, min(stages, RING_BYTES // slot))
+            for nst in range(nst, 0, -1):
+                d = dict(K=K, KS=ks, MT=mt, NORM=int(norm), GLU=int(glu), NW=nw, KCH=kch, NST=nst)
+                if smem_bytes(d) <= SMEM_CTA and per_sm * (smem_bytes(d) + 2048) <= SMEM_SM:
+                    return d, grid
+    return None
+
+
+KERNELS = {}  # (device, defines) -> (kernel, dynamic shared memory bytes), compiled once a process
+
+
+def source(d):
+    return "".join(f"#define {k} {v}\n" for k, v in d.items()) + SRC
+
+
+def kernel(d, device):
+    key = (device.index, tuple(sorted(d.items())))
+    if key not in KERNELS:
+        k = torch.cuda._compile_kernel(source(d), "decode_gemv", nvcc_options=["-std=c++17"])
+        smem = smem_bytes(d)
+        k.set_shared_memory_config(smem)  # (above 48 KB: the opt-in attribute)
+        KERNELS[key] = (k, smem)
+    return KERNELS[key]
+
+
+class LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int), ("pad2", ctypes.c_int * 15)]
+
+
+class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint), ("bx", ctypes.c_uint),
+                ("by", ctypes.c_uint), ("bz", ctypes.c_uint), ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttr)), ("nattrs", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_*: the launch may overlap the kernel before (PDL)
+LIBCUDA = []
+
+
+def launch(k, smem, grid, threads, args):
+    """cuLaunchKernelEx with PDL on the current stream (a CUDA graph captures it with its programmatic edge).
+    args: tensors (or None: a null pointer), ints, floats, in the kernel's order"""
+    attr = LaunchAttr(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    cfg = LaunchConfig(grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+                       ctypes.pointer(attr), 1)
+    vals = [ctypes.c_void_p(0 if a is None else a.data_ptr()) if a is None or isinstance(a, torch.Tensor) else
+            ctypes.c_float(a) if isinstance(a, float) else ctypes.c_int(a) for a in args]
+    ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
+    if not LIBCUDA:
+        LIBCUDA.append(torch.cuda._utils._get_gpu_runtime_library())  # the driver API (libcuda)
+    err = LIBCUDA[0].cuLaunchKernelEx(ctypes.byref(cfg), k.func, ptrs, None)
+    if err != 0:
+        raise RuntimeError(f"decode_cuda: cuLaunchKernelEx failed with CUresult {err}")
+
+
+def unsupported(device, dtype):
+    """why these kernels cannot run here (None if they can): sm_90+ for PDL and bulk copies, bf16, NVRTC"""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return "needs a Hopper (sm_90) or later GPU"
+    if dtype != torch.bfloat16:
+        return f"bf16 only (the model's dtype is {dtype})"
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
+    return None
+
+
+def decode_linear_cuda(x, w, b=None, g=None, residual=None, eps=1e-6, glu=False):
+    """(M, K) x, (N or 2N, K) W -> (M, N) = act(RMSNorm(x; weight g, eps) @ W^T + b) + residual in one launch (g
+    None: no norm); decode_linear_torch, the reference with the same arguments, where no plan fits"""
+    (M, K), N = x.shape, w.shape[0] // (2 if glu else 1)
+    if x.device.type != "cuda":  # (the CPU tests run rollout's plumbing through the reference)
+        return decode_linear_torch(x, w, b, g, residual, eps, glu)
+    p = plan(M, N, K, g is not None, glu, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    ok = all(t is None or (t.stride(-1) == 1 and t.data_ptr() % 16 == 0) for t in (x, w, g, residual)) and \
+        x.stride(0) % 8 == 0 and w.is_contiguous()
+    if p is None or not ok:
+        return decode_linear_torch(x, w, b, g, residual, eps, glu)
+    d, grid = p
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    part = torch.empty(d["KS"], M, N, dtype=torch.float32, device=x.device) if d["KS"] > 1 else None
+    k, smem = kernel(d, x.device)
+    launch(k, smem, grid, d["NW"] * 32, [w, x, x.stride(0), g, b, residual,
+                                         0 if residual is None else residual.stride(0), y, y.stride(0), part,
+                                         counters(x.device, -(-N // 16)), M, N, float(eps)])
+    return y
+
+
+@torch.library.custom_op("nanogrpo::decode_linear_cuda", mutates_args=())
+def decode_linear_cuda_op(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], g: Optional[torch.Tensor],
+                          residual: Optional[torch.Tensor], eps: float, glu: bool) -> torch.Tensor:
+    """decode_linear_cuda as a torch op (torch.compile keeps the decode's parts one graph with it inside):
+    x (..., K) -> (..., N)"""
+    flat = lambda t: None if t is None else t.reshape(-1, t.shape[-1]).contiguous()  # noqa: E731
+    return decode_linear_cuda(flat(x), w, b, g, flat(residual), eps, glu).reshape(*x.shape[:-1], -1)
+
+
+@decode_linear_cuda_op.register_fake
+def _(x, w, b, g, residual, eps, glu):
+    return x.new_empty(*x.shape[:-1], w.shape[0] // (2 if glu else 1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# check and time on a GPU: python decode_cuda.py [0.5B|1.5B] [rows ...]
+
+SHAPES = {"0.5B": (896, 4864, 14, 2, 24), "1.5B": (1536, 8960, 12, 2, 28)}  # H, I, heads, K/V heads, layers
+
+
+def graph_us(fn, iters=20):
+    """us a call of fn, replayed from a CUDA graph (best of 3)"""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    best = float("inf")
+    for _ in range(3):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(iters):
+            g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        best = min(best, e0.elapsed_time(e1) * 1e3 / iters)
+    return best
+
+
+def layer_chain(layers, h, gemm):
+    """a decode layer's four GEMMs over all layers (attention left out: o reads q's columns): gemm is
+    decode_linear_cuda or decode_linear_torch (same arguments)"""
+    for p in layers:
+        y = gemm(h, p["qkv"], p["b"], p["n1"])
+        h2 = gemm(y[:, :h.shape[1]], p["o"], None, None, h)
+        a = gemm(h2, p["gu"], None, p["n2"], None, 1e-6, True)
+        h = gemm(a, p["down"], None, None, h2)
+    return h
+
+
+def main(shape="0.5B", rows=(8, 16)):
+    H, I, nq, nkv, L = SHAPES[shape]
+    dev, D = torch.device("cuda"), H // nq
+    why = unsupported(dev, torch.bfloat16)
+    if why:
+        sys.exit(f"decode_cuda: {why}")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    r = lambda *s, sc=0.02: torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=gen) * sc  # noqa: E731
+    layers = [dict(qkv=r(H + 2 * nkv * D, H), b=r(H + 2 * nkv * D), o=r(H, H, sc=0.005), gu=r(2 * I, H),
+                   down=r(H, I), n1=1 + r(H, sc=0.1), n2=1 + r(H, sc=0.1)) for _ in range(L)]  # distinct: > L2
+    wbytes = sum(t.numel() * 2 for p in layers for t in p.values()) / L
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}; {shape}: {wbytes / 1e6:.1f} MB of weights "
+          f"a layer, {wbytes / 4.8e12 * 1e6:.1f} us at 4.8 TB/s")
+    print("| rows | GEMM | plan (defines, grid) | cuda us | torch us | error |\n|---|---|---|---|---|---|")
+    for M in rows:
+        h = r(M, H, sc=1.0)
+        p = layers[0]
+        gemms = [("q|k|v + norm + bias", (h, p["qkv"], p["b"], p["n1"])),
+                 ("o + residual", (h, p["o"], None, None, h)),
+                 ("gate|up + norm + SiLU * up", (h, p["gu"], None, p["n2"], None, 1e-6, True)),
+                 ("down + residual", (r(M, I, sc=1.0), p["down"], None, None, h))]
+        for name, args in gemms:
+            want, got = decode_linear_torch(*args), decode_linear_cuda(*args)
+            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            t_cuda, t_torch = graph_us(lambda: decode_linear_cuda(*args)), graph_us(lambda: decode_linear_torch(*args))
+            K, glu = args[1].shape[1], len(args) > 6
+            pl = plan(M, args[1].shape[0] // (2 if glu else 1), K, args[3] is not None, glu, sms)
+            print(f"| {M} | {name} | {pl} | {t_cuda:.1f} | {t_torch:.1f} | {err:.1e} |", flush=True)
+        want = layer_chain(layers, h, decode_linear_torch)
+        got = layer_chain(layers, h, decode_linear_cuda)
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        compiled = torch.compile(lambda hh: layer_chain(layers, hh, decode_linear_torch), dynamic=False,
+                                 options={"triton.enable_pdl": True})
+        t_cuda = graph_us(lambda: layer_chain(layers, h, decode_linear_cuda)) / L
+        t_comp = graph_us(lambda: compiled(h)) / L
+        print(f"| {M} | a layer's chain, {L} layers | | {t_cuda:.1f} a layer ({wbytes / 4.8e12 * 1e6 / t_cuda:.2f}) | "
+              f"{t_comp:.1f} compiled + PDL ({wbytes / 4.8e12 * 1e6 / t_comp:.2f}) | {err:.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main(*(sys.argv[1:2] or ["0.5B"]), tuple(int(a) for a in sys.argv[2:]) or (8, 16))
