@@ -17,8 +17,8 @@ digit_share); "decode" is the path the last step's rollout took: compiled (torch
 graphs, eager forward: under COMPILE_MIN_TOKENS) | fallback (torch.compile failed on the model: graphs, uncompiled) |
 eager | generate (model.generate), "+triton" with decode_gemm's GEMMs (the triton-decode cells: DECODE_GEMM and the
 merge in the last split, opt-in: 3% faster at the 1.5B shape in buckets of <= 16 rows only; these cells'
-64-row bucket runs cuBLAS on the folded weights), "+cuda" with decode_cuda's (the cuda-decode cells: 2 prompts x 8,
-so that their 16-row bucket runs them). Logs of every cell go to BENCH_DIR (/tmp/nanogrpo_e2e).
+64-row bucket runs cuBLAS on the folded weights), "+cuda" with decode_cuda's (the cuda-decode cells: 1 prompt x 8,
+so that their 8-row bucket runs them). Logs of every cell go to BENCH_DIR (/tmp/nanogrpo_e2e).
 
 The families keep what makes them differ (Qwen2.5: GQA 6, q/k/v bias, tied; Llama-3.2: head_dim 64, GQA 4, llama3
 RoPE scaling; Qwen3: q/k RMSNorm, head_dim 128) at their real widths and vocabularies, with 4 layers (the "/4L"
@@ -139,16 +139,16 @@ for fam in FAMILIES:  # the opt-in decode kernels (issue 20), end to end on each
 CELLS["qwen2.5-1.5b/4L T=1024 gc lora triton-decode"] = (
     "qwen2.5-1.5b/4", ["--max_completion_len=1024", "--gradient_checkpointing=True", "--lora_r=16"], TRITON_DECODE, 1)
 CELLS["repro qwen2.5-1.5b T=1024 gc triton-decode"] = ("qwen2.5-1.5b", REPRO, TRITON_DECODE, 1)
-CUDA_DECODE = ["rollout.DECODE_GEMM='cuda'"]  # decode_cuda's GEMMs: buckets of <= 16 rows, so 2 prompts x 8
+CUDA_DECODE = ["rollout.DECODE_GEMM='cuda'"]  # decode_cuda's GEMMs: buckets of <= 8 rows, so 1 prompt x 8
 for fam in FAMILIES:
     CELLS[f"{fam}/4L T=1024 gc cuda-decode"] = (
-        f"{fam}/4", ["--max_completion_len=1024", "--gradient_checkpointing=True", "--prompts_per_step=2"],
+        f"{fam}/4", ["--max_completion_len=1024", "--gradient_checkpointing=True", "--prompts_per_step=1"],
         CUDA_DECODE, 1)
 CELLS["qwen2.5-1.5b/4L T=1024 gc lora cuda-decode"] = (
-    "qwen2.5-1.5b/4", ["--max_completion_len=1024", "--gradient_checkpointing=True", "--prompts_per_step=2",
+    "qwen2.5-1.5b/4", ["--max_completion_len=1024", "--gradient_checkpointing=True", "--prompts_per_step=1",
                        "--lora_r=16"], CUDA_DECODE, 1)
-CELLS["repro qwen2.5-1.5b T=1024 gc cuda-decode 2x8"] = (
-    "qwen2.5-1.5b", ["--prompts_per_step=2"] + [f for f in REPRO if not f.startswith("--prompts_per_step=")],
+CELLS["repro qwen2.5-1.5b T=1024 gc cuda-decode 1x8"] = (
+    "qwen2.5-1.5b", ["--prompts_per_step=1"] + [f for f in REPRO if not f.startswith("--prompts_per_step=")],
     CUDA_DECODE, 1)
 for fsdp in (True, False):  # the same global batch over 2 processes
     CELLS[f"torchrun 2 qwen2.5-1.5b/4L T=1024 gc fsdp={fsdp}"] = (

@@ -241,6 +241,7 @@ decode_gemv(const __nv_bfloat16* W, const __nv_bfloat16* x, int ldx, const __nv_
 }
 """
 
+PDL = True  # launch with programmatic dependent launch (False: each kernel waits for the one before to end)
 MAX_ROWS = 16  # M <= 16: two 8-row x tiles in the mma's n
 SLOT_BYTES = 60 * 1024  # a ring slot: the largest chunk of K whose W rows fit this
 WHOLE_BYTES = 180 * 1024  # a CTA's whole W in flight if it fits this (0.5B gate|up: 3 tiles, 174 KB)...
@@ -332,7 +333,7 @@ def launch(k, smem, grid, threads, args):
     args: tensors (or None: a null pointer), ints, floats, in the kernel's order"""
     attr = LaunchAttr(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     cfg = LaunchConfig(grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
-                       ctypes.pointer(attr), 1)
+                       ctypes.pointer(attr), 1 if PDL else 0)
     vals = [ctypes.c_void_p(0 if a is None else a.data_ptr()) if a is None or isinstance(a, torch.Tensor) else
             ctypes.c_float(a) if isinstance(a, float) else ctypes.c_int(a) for a in args]
     ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])

@@ -77,7 +77,9 @@ DECODE_GEMM = "torch"  # decode_forward's GEMMs: torch (cuBLAS; the compiler fus
 TRITON_GEMM_MAX_ROWS = 16  # H200, both with PDL, one process: with decode_linear a step at 1.5B took 1.71 / 1.65 ms
 #                            at 16 / 8 rows against 1.75 / 1.69; at 0.5B 1.06 / 1.02 against 1.05 / 1.02, and at
 #                            32 rows 1.54 against 1.12 (BENCHMARKS, "The triton GEMMs under PDL")
-CUDA_GEMM_MAX_ROWS = 16  # (decode_cuda.MAX_ROWS at most)
+CUDA_GEMM_MAX_ROWS = 8  # (decode_cuda.MAX_ROWS = 16 at most) H200, a step with all four GEMMs in CUDA against the
+#                          default: 8 rows -9% at 0.5B, -5% at 1.5B; 16 rows +6% and +17% (BENCHMARKS, "decode_cuda")
+CUDA_GEMMS = ("qkv", "o", "gate_up", "down")  # which of a layer's GEMMs run decode_cuda's kernels (the rest cuBLAS)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose inv_freq never changes (not dynamic NTK)
 LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl, decode path (tests, benchmarks)
 
@@ -226,11 +228,11 @@ def gemms_fit(model, fused, device):
             and all(t is None or t.dtype == dt for layer in fused for t in layer))
 
 
-def project(st, x, w, b, norm=None, act=None, residual=None):
+def project(st, x, w, b, norm=None, act=None, residual=None, name=""):
     """one decode GEMM with its neighbours: residual + act(norm(x) @ W^T + b), act(y) = act_fn(gate) * up on W's
-    two halves [gate; up]. st.gemm "triton" or "cuda": one launch of decode_gemm's or decode_cuda's; else the model's
-    modules and F.linear ("folded": on the triton path's weights, the norm's weight in W: the norm without it)"""
-    if st.gemm == "cuda":
+    two halves [gate; up]. st.gemm "triton" or "cuda" (for the GEMMs named in CUDA_GEMMS): one launch of
+    decode_gemm's or decode_cuda's; else the model's modules and F.linear ("folded": on the triton path's weights, the norm's weight in W: the norm without it)"""
+    if st.gemm == "cuda" and name in CUDA_GEMMS:
         return torch.ops.nanogrpo.decode_linear_cuda(x, w, b, None if norm is None else norm.weight, residual,
                                                      0. if norm is None else norm.variance_epsilon, act is not None)
     if st.gemm == "triton":
@@ -273,7 +275,7 @@ def attention_inputs(st, layer, h, w_qkv, b_qkv, qk_norm, pos, cos, sin):
                                                "triton", pos, st.rope[0], qk_norm,
                                                [sizes[0] // D, sizes[1] // D], st.rope[1], st.qk_eps)
         return heads(*qkv.split(sizes, -1))
-    q, k, v = heads(*project(st, h, w_qkv, b_qkv, norm=norm).split(sizes, -1))
+    q, k, v = heads(*project(st, h, w_qkv, b_qkv, norm=norm, name="qkv").split(sizes, -1))
     if hasattr(attn, "q_norm"):  # qwen3: RMSNorm per head before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)  # (over the last dim, D)
     q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
@@ -283,9 +285,9 @@ def attention_inputs(st, layer, h, w_qkv, b_qkv, qk_norm, pos, cos, sin):
 def mlp_block(st, layer, w, o, h):
     """after a layer's attention output o (n, 1, h, D): h + o_proj(o), then + its MLP on that; the new h (n, 1, H)"""
     _, _, w_gu, b_gu, w_o, b_o, w_down, b_down = w
-    h = project(st, o.reshape(h.shape[0], 1, -1).to(h.dtype), w_o, b_o, residual=h)
-    a = project(st, h, w_gu, b_gu, norm=layer.post_attention_layernorm, act=layer.mlp.act_fn)  # (n, 1, I)
-    return project(st, a, w_down, b_down, residual=h)
+    h = project(st, o.reshape(h.shape[0], 1, -1).to(h.dtype), w_o, b_o, residual=h, name="o")
+    a = project(st, h, w_gu, b_gu, norm=layer.post_attention_layernorm, act=layer.mlp.act_fn, name="gate_up")
+    return project(st, a, w_down, b_down, residual=h, name="down")  # (a: (n, 1, I))
 
 
 def decode_first(model, st, layer, w, qk_norm, tok, pos):

@@ -918,7 +918,8 @@ def test_rollout_greedy_matches_hf_generate():
     from unittest import mock
     G, T = 3, 12
     with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True, DECODE_GEMM="torch",
-                        TRITON_GEMM_MAX_ROWS=4, CUDA_GEMM_MAX_ROWS=4) as rollout, \
+                        TRITON_GEMM_MAX_ROWS=4, CUDA_GEMM_MAX_ROWS=4, CUDA_GEMMS=("qkv", "o", "gate_up", "down")) \
+            as rollout, \
             mock.patch.object(decode_cuda, "unsupported", lambda device, dtype: None):  # (9 slots: cuBLAS; <= 4
         #                                                 theirs; cuda on the CPU: its plumbing, through the reference)
         compacted, gemms = False, {"triton": set(), "cuda": set()}
@@ -998,7 +999,8 @@ def test_rollout_decode_parts_compile_once():
         try:
             with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True, DECODE_GEMM=gemm,
                                 TRITON_GEMM_MAX_ROWS=max_rows, CUDA_GEMM_MAX_ROWS=max_rows,
-                                COMPILE_BACKEND="aot_eager", COMPILE_MIN_TOKENS=1) as r, \
+                                CUDA_GEMMS=("qkv", "o", "gate_up", "down"), COMPILE_BACKEND="aot_eager",
+                                COMPILE_MIN_TOKENS=1) as r, \
                     mock.patch.object(decode_cuda, "unsupported", lambda device, dtype: None):
                 ids, mask = r.generate_groups(model, prompt_ids, prompt_mask, 3, 12, temperature=0.0,
                                               eos_token_id=eos, pad_token_id=0)
