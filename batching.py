@@ -53,7 +53,8 @@ def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temp
                & (completion_mask == 1)).any(1)  # (B*G,)
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(), completion_ids=completion_ids,
                 completion_mask=completion_mask, truncated=~has_eos, group_size=group_size, sampler_logp=sampler_logp,
-                decode=LAST["path"] + (f"+{LAST['gemm']}" if LAST.get("gemm") in LAST.get("gemms", ()) else ""))
+                decode=LAST["path"] + (f"+{LAST['gemm']}" if LAST.get("gemm") in ("triton", "cuda") and
+                                       LAST["gemm"] in LAST.get("gemms", ()) else ""))
 
 
 def select_groups(buf, idx):
