@@ -17,9 +17,10 @@ here first bulk-copies its W rows into shared memory, and only then waits (gridd
     split K (long K, few tiles: down_proj): each split stores float32 partial sums, the last to arrive (a counter a
     tile) sums them in split order, so the bits do not depend on the timing.
 
-On an H200 a layer's four GEMMs chained this way took 19.8 us at the 0.5B shape and 8 rows against 31.6 for the
-engine's torch.compile + PDL (41.2 against 49.9 at 1.5B), where the same kernels with W loaded after the wait did not
-win (BENCHMARKS, "Weights before the PDL wait, in CUDA"). Memory order under PDL: a kernel writes nothing before its
+On an H200 a layer's four GEMMs chained this way take 21.0 us at the 0.5B shape and 8 rows against 31.4 for the
+engine's torch.compile + PDL (41.4 against 49.9 at 1.5B); the same kernels launched without PDL lose. In a decode
+step the gain is smaller, and only at 8 rows: -9% a step at 0.5B, -5% at 1.5B (16 rows are slower), so rollout runs
+them in buckets of <= 8 rows, opt-in (BENCHMARKS, "The weights-first CUDA GEMMs in the engine"). Memory order under PDL: a kernel writes nothing before its
 wait (which returns once the kernel before has finished and flushed), and lets the next kernel launch only after it
 has read x. Its residual is read in the epilogue, after that: the kernels that follow one of these in the decode
 forward (these, the attention's, or a compiled one that reads this output) all wait before they write.
