@@ -20,10 +20,12 @@ here first bulk-copies its W rows into shared memory, and only then waits (gridd
 On an H200 a layer's four GEMMs chained this way take 21.0 us at the 0.5B shape and 8 rows against 31.4 for the
 engine's torch.compile + PDL (41.4 against 49.9 at 1.5B); the same kernels launched without PDL lose. In a decode
 step the gain is smaller, and only at 8 rows: -9% a step at 0.5B, -5% at 1.5B (16 rows are slower), so rollout runs
-them in buckets of <= 8 rows, opt-in (BENCHMARKS, "The weights-first CUDA GEMMs in the engine"). Memory order under PDL: a kernel writes nothing before its
-wait (which returns once the kernel before has finished and flushed), and lets the next kernel launch only after it
-has read x. Its residual is read in the epilogue, after that: the kernels that follow one of these in the decode
-forward (these, the attention's, or a compiled one that reads this output) all wait before they write.
+them in buckets of <= 8 rows, opt-in (BENCHMARKS, "The weights-first CUDA GEMMs in the engine").
+
+Memory order under PDL: a kernel writes nothing before its wait (which returns once the kernel before has finished
+and flushed), and lets the next kernel launch only after it has read x. Its residual is read in the epilogue, after
+that: the kernels that follow one of these in the decode forward (these, the attention's, or a compiled one that
+reads this output) all wait before they write.
 
 The source is compiled at first use by NVRTC (torch.cuda._compile_kernel) for the GPU at hand, once per
 configuration; sm_90 or later (PDL, cp.async.bulk), bf16, M <= 16 rows. decode_gemm.decode_linear_torch is the
