@@ -231,7 +231,8 @@ def gemms_fit(model, fused, device):
 def project(st, x, w, b, norm=None, act=None, residual=None, name=""):
     """one decode GEMM with its neighbours: residual + act(norm(x) @ W^T + b), act(y) = act_fn(gate) * up on W's
     two halves [gate; up]. st.gemm "triton" or "cuda" (for the GEMMs named in CUDA_GEMMS): one launch of
-    decode_gemm's or decode_cuda's; else the model's modules and F.linear ("folded": on the triton path's weights, the norm's weight in W: the norm without it)"""
+    decode_gemm's or decode_cuda's (name: qkv, o, gate_up or down); else the model's modules and F.linear
+    ("folded": on the triton path's weights, the norm's weight in W: the norm without it)"""
     if st.gemm == "cuda" and name in CUDA_GEMMS:
         return torch.ops.nanogrpo.decode_linear_cuda(x, w, b, None if norm is None else norm.weight, residual,
                                                      0. if norm is None else norm.variance_epsilon, act is not None)
@@ -487,7 +488,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                      for layer, (w_qkv, b_qkv, w_gu, b_gu, *rest) in zip(model.model.layers, fused)]
         LAST.clear()
         LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None, gemm=gemm,
-                    gemms=[], rope="epilogue" if rope else "torch")  # (gemms: each bucket's: torch, triton, cuda, folded)
+                    gemms=[], rope="epilogue" if rope else "torch")  # (gemms: each bucket's: torch|triton|cuda|folded)
 
         def make_step(sl):
             # (the attention op picks the split count for the slots it gets; rope: epilogue_rope's fields)
