@@ -399,27 +399,10 @@ def _(x, w, b, g, residual, eps, glu):
 SHAPES = {"0.5B": (896, 4864, 14, 2, 24), "1.5B": (1536, 8960, 12, 2, 28)}  # H, I, heads, K/V heads, layers
 
 
-def graph_us(fn, iters=20):
-    """us a call of fn, replayed from a CUDA graph (best of 3)"""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    best = float("inf")
-    for _ in range(3):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(iters):
-            g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        best = min(best, e0.elapsed_time(e1) * 1e3 / iters)
-    return best
+def graph_us(fn):
+    """us a call of fn, replayed from a CUDA graph (as the decode step runs; bench_rollout.py times the same way)"""
+    from triton.testing import do_bench_cudagraph
+    return do_bench_cudagraph(fn, rep=20) * 1e3
 
 
 def layer_chain(layers, h, gemm):
