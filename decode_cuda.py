@@ -279,8 +279,9 @@ def plan(M, N, K, norm, glu, sms):
             cands += [(K // ks > SPLIT_KC[1], abs(ntiles * ks - 2 * sms), -nw, ks) for ks in range(2, 65)
                       if K % (ks * step) == 0 and SPLIT_KC[0] <= K // ks <= 2 * SPLIT_KC[1]]
     for per_sm in (2, 1):  # split K: two CTAs an SM where some split count fits them (16 rows: a shorter range)
-        for *_, nw, ks in sorted(cands):
-            nw, kc, step = -nw, K // ks, 16 * (-nw // ntile)
+        for *_, neg_nw, ks in sorted(cands):  # (-nw in the key: 8 warps before 4)
+            nw = -neg_nw
+            kc, step = K // ks, 16 * (nw // ntile)
             if per_sm == 2 and ks == 1:
                 continue
             kch = max((c for c in range(step, kc + 1, step) if kc % c == 0 and ntile * 16 * (2 * c + 16) <= SLOT_BYTES),
