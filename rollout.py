@@ -216,13 +216,15 @@ def fuse_projections(model):
     return fused
 
 
-def gemms_fit(model, fused, device):
-    """decode_forward's GEMMs may be decode_gemm's or decode_cuda's (DECODE_GEMM triton or cuda): their prologue is
-    transformers' RMSNorm (weight * x / rms, eps variance_epsilon), their epilogue SiLU(gate) * up, their inputs and
-    the weights they read (fuse_projections': a LoRA adapter folded in) one dtype, no autocast"""
+def gemms_fit(model, fused, device, gemm):
+    """decode_forward's GEMMs may be decode_gemm's or decode_cuda's (gemm: DECODE_GEMM triton or cuda): their
+    prologue is transformers' RMSNorm (weight * x / rms, eps variance_epsilon), their epilogue SiLU(gate) * up, their
+    inputs and the weights they read (fuse_projections': a LoRA adapter folded in) one dtype, no autocast; cuda's
+    also a Hopper GPU and bf16 (decode_cuda.unsupported)"""
     norms = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
     dt = model.model.embed_tokens.weight.dtype
     return (getattr(model.config, "hidden_act", None) == "silu" and not torch.is_autocast_enabled(device.type)
+            and not (gemm == "cuda" and decode_cuda.unsupported(device, dt))
             and all(type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and m.weight.dtype == dt
                     for m in norms)
             and all(t is None or t.dtype == dt for layer in fused for t in layer))
@@ -478,8 +480,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         fused = fuse_projections(model) if FUSE else None
         forward_fn = decode_forward if fused is not None else model_forward
         gemm = DECODE_GEMM if DECODE_GEMM in ("triton", "cuda") and fused is not None and \
-            gemms_fit(model, fused, dev) and not (DECODE_GEMM == "cuda" and decode_cuda.unsupported(
-                dev, model.model.embed_tokens.weight.dtype)) else "torch"
+            gemms_fit(model, fused, dev, DECODE_GEMM) else "torch"
         rope = None
         if gemm == "triton":  # RoPE in q|k|v's epilogue where it can; W with the RMSNorm's weight in its columns
             rope = epilogue_rope(model, dev)
