@@ -294,12 +294,13 @@ def bench_gemms(sweep=False):
 
 
 def bench_attention(sweep=False, P=512):
-    """`python bench_rollout.py attention [sweep]`: the decode attention alone (the split kernel and the merge, one
-    layer of the uniform workloads: groups of 16 rows sharing a P-token prompt) at 128 and 8 live rows and a context
-    of t written columns, against the time its bytes take: each row's own t columns and each group's prompt once
-    (K and V), at the datasheet bandwidth. Long completions make this most of a step: at the 1.5B shape, 128 rows and
-    t = 2048, a layer's K/V are ~270 MB against 110 MB of weights. Timed from a CUDA graph over copies of the caches
-    that overflow L2, as a step's layers do; sweep: also (BLOCK_N, stages, warps, split waves), the best printed."""
+    """`python bench_rollout.py attention [sweep]`: the decode attention alone (the split kernel with RoPE and the
+    merge, one layer of the uniform workloads: groups of 16 rows sharing a P-token prompt) at 128 and 8 live rows
+    and a context of t written columns, against the time its bytes take: each row's own t columns and each group's
+    prompt once (K and V), at the datasheet bandwidth. Long completions make this most of a step: at the 1.5B
+    shape, 128 rows and t = 2048, a layer's K/V are ~270 MB against 110 MB of weights. Timed from a CUDA graph over
+    copies of the caches that overflow L2, as a step's layers do; sweep: also (BLOCK_N, stages, warps, split
+    waves), the best printed."""
     import itertools
     from types import SimpleNamespace
     from triton.testing import do_bench_cudagraph
@@ -324,6 +325,8 @@ def bench_attention(sweep=False, P=512):
                       for _ in range(max(2, min(8, 2**28 // per_layer + 1)) if CUDA else 1)]
             q = torch.randn(n, h, 1, D, device=DEV, dtype=dt)
             kv = torch.randn(n, kvh, 1, D, device=DEV, dtype=dt)
+            angle = torch.randn(n, 1, D // 2, device=DEV).repeat(1, 1, 2)
+            rope = (angle.cos().to(dt), angle.sin().to(dt))  # (RoPE in the kernel, as the engine runs it)
             st = SimpleNamespace(rows=torch.arange(n, device=DEV), done=torch.zeros(n, dtype=torch.bool, device=DEV),
                                  start=torch.zeros(B, dtype=torch.int32, device=DEV),
                                  slot=torch.full((1,), t, dtype=torch.long, device=DEV), G=G)
@@ -331,8 +334,8 @@ def bench_attention(sweep=False, P=512):
 
             def run():
                 st.splits = dk.num_splits(n, kvh, q.device)
-                return dk.decode_attention_triton(q, kv, kv, next(cycle), st, D ** -0.5)
-            ref = dk.decode_attention_torch(q, kv, kv, layers[0], st, D ** -0.5).float()
+                return dk.decode_attention_triton(q, kv, kv, next(cycle), st, D ** -0.5, *rope)
+            ref = dk.decode_attention_torch(q, kv, kv, layers[0], st, D ** -0.5, *rope).float()
             out = run().float()  # (layers[0]: the cycle starts there)
             err = ((out - ref).abs().max() / ref.abs().max()).item()
             us = lambda: do_bench_cudagraph(run, rep=30) * 1e3 if CUDA else math.nan  # noqa

@@ -4,8 +4,9 @@ The decode step's kernels, each beside its torch reference (rollout.py is the en
 1. Decode attention over a group's shared prompt K/V. Each prompt's K/V stay as the prefill left them, (B, kvh, P, D),
    shared by its G rows; each row's own tokens go into a completion cache (B*G, kvh, T, D). One Triton kernel per
    layer (split-K "flash decoding") takes a row's query heads for one K/V head (GQA inside the kernel, no repeat),
-   walks the prompt's real columns and the row's written columns only, writes this step's K/V into the cache on
-   the way, and a second kernel merges the splits by log-sum-exp:
+   walks the prompt's real columns and the row's written columns only, applies RoPE to q and this step's key
+   (given cos/sin) and writes this step's K/V into the cache on the way, and a second kernel merges the splits by
+   log-sum-exp:
        o = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),   M = max_s lse_s
    Finished rows attend nothing. decode_attention_torch is the same function in torch ops (and the CPU path);
    nanogrpo::decode_attention is either, as a torch op (rollout's decode_forward calls it between its compiled parts).
@@ -19,6 +20,7 @@ each prompt's first real column, slot (1,) this step's completion column, G, and
 import math
 import os
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 import triton
@@ -96,22 +98,33 @@ def _attend_columns(k_ptr, v_ptr, base, stride_l, j_lo, j_hi, q, m_i, l_i, acc, 
     return m_i, l_i, acc
 
 
+@triton.jit
+def _rope(x, x_ptrs, offs_d, cos, sin, mask, D: tl.constexpr):
+    """RoPE on rows x (.., D) loaded from x_ptrs (.., D) (mask: their mask), in fp32, rounded once to x's dtype:
+    x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1] for the halves x = [x1, x2] (transformers' formula)"""
+    partner = tl.load(x_ptrs + tl.where(offs_d < D // 2, D // 2, -(D // 2)), mask=mask, other=0.)
+    rotated = tl.where(offs_d < D // 2, -partner.to(tl.float32), partner.to(tl.float32))
+    return (x.to(tl.float32) * cos + rotated * sin).to(x.dtype)
+
+
 # P, the prompt length, changes from step to step: a new class of it (% 16) compiled the kernel again mid-rollout
 # (0.6 s on an H200); unspecialized, it runs as fast (0.5B and 1.5B heads, 8 and 128 rows: within 0.1 us)
 @triton.jit(do_not_specialize=["P"])
-def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_ptr, rows_ptr, done_ptr, start_ptr,
-                         slot_ptr, o_ptr, lse_ptr, out_ptr, count_ptr, G, P, qk_scale,
-                         stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, cos_ptr, sin_ptr, pk_ptr, pv_ptr, ck_ptr, cv_ptr, rows_ptr,
+                         done_ptr, start_ptr, slot_ptr, o_ptr, lse_ptr, out_ptr, count_ptr, G, P, qk_scale,
+                         stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rn,
                          stride_pb, stride_ph, stride_pl, stride_cn, stride_ch, stride_cl,
                          QPK: tl.constexpr, QPK_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         SPLITS: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr,
+                         SPLITS: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr, ROPE: tl.constexpr,
                          USE_GDC: tl.constexpr):
     """program (slot, kv head, split): the QPK query heads of one K/V head against one contiguous range [lo, hi) of
     the row's keys, numbered [prompt's real columns | completion columns 0..t]; t = slot_ptr[0] is this step's
-    column. The split that owns column t first stores this step's K/V there (knew/vnew). MERGE (SPLITS > 1): no
-    merge kernel; the split that arrives last at its (slot, kv head) counter merges the partials, in split order."""
-    _wait_for_previous_kernel(USE_GDC)
+    column. ROPE: q and this step's key come unrotated, with the slots' (cos, sin) rows (stride_rn apart). The split
+    that owns column t first stores this step's K/V there (knew rotated). MERGE (SPLITS > 1): no merge kernel; the
+    split that arrives last at its (slot, kv head) counter merges the partials, in split order."""
     pid_n, pid_h, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # before the PDL wait: the decode state (set at the last step's end, not by the kernel before), a chain of
+    # dependent loads off the critical path when that kernel launches us early (PDL)
     row = tl.load(rows_ptr + pid_n).to(tl.int64)
     b = row // G
     n_pre = P - tl.load(start_ptr + b)  # the prompt's real (unpadded) columns
@@ -121,15 +134,24 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, pk_ptr, pv_ptr, ck_ptr, cv_p
     lo = pid_s * per
     hi = tl.minimum(lo + per, total)
     hi = tl.where(tl.load(done_ptr + pid_n) != 0, lo, hi)  # a finished row attends nothing (output 0)
+    _wait_for_previous_kernel(USE_GDC)
     offs_d = tl.arange(0, D)
     offs_q = tl.arange(0, QPK_PAD)
     heads = pid_h * QPK + offs_q
     q_ok = offs_q < QPK
-    q = tl.load(q_ptr + pid_n * stride_qn + heads[:, None] * stride_qh + offs_d[None, :], mask=q_ok[:, None], other=0.)
+    q_ptrs = q_ptr + pid_n * stride_qn + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=q_ok[:, None], other=0.)  # (QPK_PAD, D)
+    if ROPE:
+        cos = tl.load(cos_ptr + pid_n * stride_rn + offs_d).to(tl.float32)  # (D,)
+        sin = tl.load(sin_ptr + pid_n * stride_rn + offs_d).to(tl.float32)
+        q = _rope(q, q_ptrs, offs_d, cos, sin, q_ok[:, None], D)
     c_off = row * stride_cn + pid_h * stride_ch
     if (hi == total) & (lo < hi):  # write this step's K/V into the cache, then read it back like any column
-        tl.store(ck_ptr + c_off + t * stride_cl + offs_d, tl.load(knew_ptr + pid_n * stride_kn + pid_h * stride_kh +
-                                                                  offs_d))
+        k_ptrs = knew_ptr + pid_n * stride_kn + pid_h * stride_kh + offs_d
+        k_t = tl.load(k_ptrs)  # (D,)
+        if ROPE:
+            k_t = _rope(k_t, k_ptrs, offs_d, cos, sin, offs_d < D, D)
+        tl.store(ck_ptr + c_off + t * stride_cl + offs_d, k_t)
         tl.store(cv_ptr + c_off + t * stride_cl + offs_d, tl.load(vnew_ptr + pid_n * stride_vn + pid_h * stride_vh +
                                                                   offs_d))
         tl.debug_barrier()  # the block's stores are visible to its own loads after the barrier
@@ -199,13 +221,17 @@ def stage_count(D):
     return NUM_STAGES or max(2, min(3, 64 * 1024 // (BLOCK_N * D * 2 * 2)))
 
 
-def decode_attention_triton(q, k_new, v_new, layer, st, scale):
-    """q (n, h, 1, D), k_new/v_new (n, kvh, 1, D) -> (n, 1, h, D); writes k_new/v_new into the cache at st.slot"""
+def decode_attention_triton(q, k_new, v_new, layer, st, scale, cos=None, sin=None):
+    """q (n, h, 1, D), k_new/v_new (n, kvh, 1, D) -> (n, 1, h, D); writes k_new/v_new into the cache at st.slot.
+    cos/sin (n, 1, D): q and k_new come without RoPE, and the kernel applies it (rope_torch's formula)"""
     n, h, _, D = q.shape
     kvh = k_new.shape[1]
     pk, pv, ck, cv = layer
     assert q.stride(-1) == k_new.stride(-1) == v_new.stride(-1) == pk.stride(-1) == ck.stride(-1) == 1 and \
         pk.stride() == pv.stride() and ck.stride() == cv.stride()  # (k_new and v_new may differ: views of q|k|v)
+    rope = cos is not None
+    if rope:
+        assert cos.shape == sin.shape == (n, 1, D) and cos.stride() == sin.stride() and cos.stride(-1) == 1
     S = st.splits
     out = torch.empty(n, 1, h, D, dtype=q.dtype, device=q.device)
     o = torch.empty(n, h, S, D, dtype=torch.float32, device=q.device) if S > 1 else out
@@ -214,20 +240,30 @@ def decode_attention_triton(q, k_new, v_new, layer, st, scale):
     merge = MERGE_IN_SPLIT and S > 1
     count = counters(q.device, n * kvh) if merge else out
     _decode_split_kernel[(n, kvh, S)](
-        q, k_new, v_new, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot, o, lse, out, count, st.G, pk.shape[2],
-        scale * 1.4426950408889634, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
-        v_new.stride(1),
+        q, k_new, v_new, cos if rope else q, sin if rope else q, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot,
+        o, lse, out, count, st.G, pk.shape[2], scale * 1.4426950408889634, q.stride(0), q.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0) if rope else 0,
         pk.stride(0), pk.stride(1), pk.stride(2), ck.stride(0), ck.stride(1), ck.stride(2),
         QPK=QPK, QPK_PAD=max(16, triton.next_power_of_2(QPK)), D=D, BLOCK_N=BLOCK_N, SPLITS=S, MERGE=merge,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # an fp32 model gets fp32 attention, not TF32
-        num_warps=NUM_WARPS, num_stages=stage_count(D), **pdl_launch(q.device))
+        ROPE=rope, num_warps=NUM_WARPS, num_stages=stage_count(D), **pdl_launch(q.device))
     if S > 1 and not merge:
         _decode_merge_kernel[(n * h,)](o, lse, out, D=D, SPLITS=S, num_warps=1, **pdl_launch(q.device))
     return out
 
 
-def decode_attention_torch(q, k_new, v_new, layer, st, scale):
+def rope_torch(x, cos, sin):
+    """RoPE as transformers' llama/qwen2/qwen3 apply it, op for op (so bit-equal): x (n, heads, 1, D), cos/sin
+    (n, 1, D); x cos + rotate_half(x) sin with rotate_half(x) = [-x2, x1] for the halves x = [x1, x2]"""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return (x * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+
+
+def decode_attention_torch(q, k_new, v_new, layer, st, scale, cos=None, sin=None):
     """reference (and the CPU path): the same function with plain torch ops, reading the whole cache under a mask"""
+    if cos is not None:
+        q, k_new = rope_torch(q, cos, sin), rope_torch(k_new, cos, sin)
     pk, pv, ck, cv = layer
     rows, t = st.rows, st.slot  # (n,), (1,)
     ck[rows, :, t] = k_new[:, :, 0]  # (n, kvh, D) into column t of each slot's row
@@ -245,21 +281,26 @@ def decode_attention_torch(q, k_new, v_new, layer, st, scale):
 @torch.library.custom_op("nanogrpo::decode_attention", mutates_args=("ck", "cv"))
 def decode_attention_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pk: torch.Tensor,
                         pv: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, done: torch.Tensor,
-                        start: torch.Tensor, slot: torch.Tensor, G: int, scale: float, impl: str) -> torch.Tensor:
+                        start: torch.Tensor, slot: torch.Tensor, G: int, scale: float, impl: str,
+                        cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None) -> torch.Tensor:
     """decode_forward's attention as a torch op: the decode state comes in as arguments (no global), and
     torch.compile can trace a forward with this op inside it (it knows the op writes ck/cv), where a
     compiler-disabled function would break the graph. (decode_forward cuts its compiled parts at it: no compiler
-    fuses across it anyway.) (n, 1, h, D), in pk's dtype: under
-    autocast with fp32 weights RoPE hands back fp32 q/k beside a bf16 v, so all three are cast to the caches'."""
+    fuses across it anyway.) cos/sin (n, 1, D): q and k_new come without RoPE and the op applies it, in the kernel
+    (one launch less a layer) or in torch ops before the cast. (n, 1, h, D), in pk's dtype: under autocast with
+    fp32 weights RoPE hands back fp32 q/k beside a bf16 v, so all three are cast to the caches'."""
     dt = pk.dtype
     st = SimpleNamespace(rows=rows, done=done, start=start, slot=slot, G=G,
                          splits=num_splits(rows.shape[0], pk.shape[1], q.device))
-    fn = decode_attention_triton if impl == "triton" else decode_attention_torch
-    return fn(q.to(dt), k_new.to(dt), v_new.to(dt), (pk, pv, ck, cv), st, scale).contiguous()
+    if impl == "triton":
+        return decode_attention_triton(q.to(dt), k_new.to(dt), v_new.to(dt), (pk, pv, ck, cv), st, scale, cos, sin)
+    if cos is not None:  # (as the model would, in the dtypes it gets)
+        q, k_new = rope_torch(q, cos, sin), rope_torch(k_new, cos, sin)
+    return decode_attention_torch(q.to(dt), k_new.to(dt), v_new.to(dt), (pk, pv, ck, cv), st, scale).contiguous()
 
 
 @decode_attention_op.register_fake
-def _(q, k_new, v_new, pk, pv, ck, cv, rows, done, start, slot, G, scale, impl):
+def _(q, k_new, v_new, pk, pv, ck, cv, rows, done, start, slot, G, scale, impl, cos=None, sin=None):
     n, h, _, D = q.shape
     return q.new_empty(n, 1, h, D, dtype=pk.dtype)
 

@@ -6,7 +6,7 @@ A decode step of B*G rows must read every weight once plus every live row's K/V.
 1. Attention reads only what exists, once. Each prompt is prefilled once and its K/V stay as they are, (B, kvh, P, D),
    shared by its G rows; each row's own tokens go into a completion cache (B*G, kvh, T, D). decode_kernels.py's
    split-K Triton kernel walks the prompt's real columns and the row's written columns only (GQA inside the kernel,
-   no repeat) and writes this step's K/V into the cache on the way.
+   no repeat), and applies RoPE to q and this step's key and writes them into the cache on the way.
 2. Finished rows stop costing. Rows live in "slots"; slot i decodes cache row rows[i]. Every CHECK_EVERY steps the
    host reads which rows are done; when the live ones fit a bucket of half the slots or fewer (powers of two), they
    are compacted into a smaller batch with its own captured graph. Finished rows never run attention (the kernel
@@ -265,10 +265,27 @@ def epilogue_rope(model, device):
                 qk_eps=getattr(getattr(attns[0], "q_norm", None), "variance_epsilon", 0.))
 
 
+def rope_in_attention(model):
+    """whether the attention op may apply the model's RoPE (decode_kernels.rope_torch: rotate-half on whole heads,
+    as llama/qwen2/qwen3 do; not a partial or interleaved rotary): the model's own apply_rotary_pos_emb, tried on
+    random input, must give rope_torch's bits. Then decode_forward hands it (cos, sin) and q|k|v unrotated, and a
+    layer runs no RoPE kernel: the attention's split programs load their keys before the PDL wait and rotate q and
+    this step's key after it (H200: BENCHMARKS, "RoPE in the attention")"""
+    attn = model.model.layers[0].self_attn
+    apply = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+    g = torch.Generator().manual_seed(0)
+    q, k, cos, sin = (torch.randn(2, heads, 1, attn.head_dim, generator=g) for heads in (3, 2, 1, 1))
+    try:
+        return all(torch.equal(a, decode_kernels.rope_torch(b, cos[:, 0], sin[:, 0]))
+                   for a, b in zip(apply(q, k, cos[:, 0], sin[:, 0]), (q, k)))
+    except Exception:  # (no such function, or another signature)
+        return False
+
+
 def attention_inputs(st, layer, h, w_qkv, b_qkv, qk_norm, pos, cos, sin):
     """the layer's q (n, h, 1, D), k and v (n, kvh, 1, D) at a decode step: q|k|v of the normed h, the q/k norms
-    (qwen3), RoPE. With the triton GEMMs and a static RoPE (st.rope: inv_freq, scale; qk_norm: the layer's
-    [q_norm; k_norm] or None) all of it is one launch"""
+    (qwen3), RoPE (unless st.rope_attn: the attention op applies it). With the triton GEMMs and a static RoPE
+    (st.rope: inv_freq, scale; qk_norm: the layer's [q_norm; k_norm] or None) all of it is one launch"""
     attn, norm = layer.self_attn, layer.input_layernorm
     n, D = h.shape[0], attn.head_dim
     sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
@@ -281,6 +298,8 @@ def attention_inputs(st, layer, h, w_qkv, b_qkv, qk_norm, pos, cos, sin):
     q, k, v = heads(*project(st, h, w_qkv, b_qkv, norm=norm, name="qkv").split(sizes, -1))
     if hasattr(attn, "q_norm"):  # qwen3: RMSNorm per head before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)  # (over the last dim, D)
+    if st.rope_attn:  # the attention op applies RoPE (no launch of its own)
+        return q, k, v
     q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
     return q, k, v
 
@@ -331,7 +350,8 @@ def decode_forward(model, fused, st, tok, pos, compiled=False):
     h, cos, sin, q, k, v = call(decode_first, model, st, layers[0], fused[0], qk_norms[0], tok, pos)
     for i, (pk, pv, ck, cv) in enumerate(st.layers):
         o = torch.ops.nanogrpo.decode_attention(q, k, v, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot,
-                                                st.G, layers[i].self_attn.scaling, st.impl)  # (n, 1, h, D)
+                                                st.G, layers[i].self_attn.scaling, st.impl,
+                                                *((cos, sin) if st.rope_attn else ()))  # (n, 1, h, D)
         if i == L - 1:
             return call(decode_last, model, st, layers[i], fused[i], o, h)
         h, q, k, v = call(decode_between, st, layers[i], fused[i], o, h, layers[i + 1], fused[i + 1],
@@ -481,7 +501,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         forward_fn = decode_forward if fused is not None else model_forward
         gemm = DECODE_GEMM if DECODE_GEMM in ("triton", "cuda") and fused is not None and \
             gemms_fit(model, fused, dev, DECODE_GEMM) else "torch"
-        rope = None
+        rope, rope_attn = None, fused is not None and rope_in_attention(model)
         if gemm == "triton":  # RoPE in q|k|v's epilogue where it can; W with the RMSNorm's weight in its columns
             rope = epilogue_rope(model, dev)
             fused = [(fold_norm(w_qkv, layer.input_layernorm.weight), b_qkv,
@@ -489,7 +509,8 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                      for layer, (w_qkv, b_qkv, w_gu, b_gu, *rest) in zip(model.model.layers, fused)]
         LAST.clear()
         LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None, gemm=gemm,
-                    gemms=[], rope="epilogue" if rope else "torch")  # (gemms: each bucket's: torch|triton|cuda|folded)
+                    gemms=[], rope="epilogue" if rope else "attention" if rope_attn else "torch")
+        #                   (gemms: each bucket's: torch|triton|cuda|folded; rope: where RoPE runs)
 
         def make_step(sl):
             # (the attention op picks the split count for the slots it gets; rope: epilogue_rope's fields)
@@ -498,6 +519,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                                  impl=attn_impl, gemm="folded" if gemm == "triton" and n > TRITON_GEMM_MAX_ROWS else
                                  "torch" if gemm == "cuda" and n > CUDA_GEMM_MAX_ROWS else gemm,
                                  **(rope or dict(rope=None)))
+            st.rope_attn = rope_attn and not (st.gemm == "triton" and st.rope is not None)  # (else: q|k|v's epilogue)
             LAST["gemms"].append(st.gemm)
 
             def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)

@@ -633,9 +633,11 @@ def _rollout_knobs(**kw):
 @_kv_one_thread
 def test_rollout_attention_kernel_vs_torch():
     """the split-K decode kernel == the torch reference on live slots (GQA groups of 2 and 4, 1 and 4 splits,
-    left-padded prompts, a permuted slot -> row map, a finished slot, column 0 and a late column); it writes this
-    step's K/V into the cache at the column, gives finished slots 0 and writes nothing for them. Split: merged by
-    the merge kernel, or by the last split to arrive (MERGE_IN_SPLIT; its counters back at 0 after)"""
+    left-padded prompts, a permuted slot -> row map, a finished slot, column 0 and a late column, blocks across the
+    prompt/completion boundary); it writes this step's K/V into the cache at the column, gives finished slots 0 and
+    writes nothing for them. With cos/sin it applies RoPE to q and this step's key first (the rotated key is what it
+    caches). Split: merged by the merge kernel, or by the last split to arrive (MERGE_IN_SPLIT; its counters back at
+    0 after)"""
     import rollout
     g = torch.Generator().manual_seed(0)
     for N, G, h, kvh, D, P, T, t, S in ((8, 4, 4, 2, 16, 20, 40, 30, 1), (8, 4, 4, 2, 16, 20, 40, 30, 4),
@@ -650,20 +652,24 @@ def test_rollout_attention_kernel_vs_torch():
                              slot=torch.tensor([t], device=DEVICE))
         q, k_new = rnd(n, 1, h, D).transpose(1, 2), rnd(n, kvh, 1, D)
         v_new = rnd(n, 1, 3 * kvh, D)[:, :, kvh:2 * kvh].transpose(1, 2)  # a slice of q|k|v: its own strides
-        for merge in (False, True) if S > 1 else (False,):  # merge kernel, or the last split merges
-            decode_kernels.MERGE_IN_SPLIT = merge
+        angle = rnd(n, 1, D // 2).repeat(1, 1, 2) * 3  # (as transformers' cos/sin: the two halves alike)
+        for merge, rope in [(m, r) for m in ((False, True) if S > 1 else (False,)) for r in (False, True)]:
+            decode_kernels.MERGE_IN_SPLIT = merge  # merge kernel, or the last split merges
+            cs = (angle.cos(), angle.sin()) if rope else ()
             got_cache, want_cache = (ck.clone(), cv.clone()), (ck.clone(), cv.clone())
             try:
-                got = decode_kernels.decode_attention_triton(q, k_new, v_new, (pk, pv, *got_cache), st, D ** -0.5)
+                got = decode_kernels.decode_attention_triton(q, k_new, v_new, (pk, pv, *got_cache), st, D ** -0.5,
+                                                             *cs)
             finally:
                 decode_kernels.MERGE_IN_SPLIT = False
-            want = decode_kernels.decode_attention_torch(q, k_new, v_new, (pk, pv, *want_cache), st, D ** -0.5)
-            live, name = ~st.done, f"N={N} h={h} kvh={kvh} P={P} t={t} splits={S} merge in split {merge}"
+            want = decode_kernels.decode_attention_torch(q, k_new, v_new, (pk, pv, *want_cache), st, D ** -0.5, *cs)
+            live = ~st.done
+            name = f"N={N} h={h} kvh={kvh} P={P} t={t} splits={S} merge in split {merge} rope {rope}"
             assert got.shape == (n, 1, h, D), name
             assert_close(got[live], want[live], 1e-5, name)
             assert (got[st.done] == 0).all(), f"{name}: finished slot not zero"
             for c, w, orig in zip(got_cache, want_cache, (ck, cv)):
-                assert torch.equal(c[st.rows[live]], w[st.rows[live]]), f"{name}: cache write"
+                assert_close(c[st.rows[live]], w[st.rows[live]], 1e-6, f"{name}: cache write")
                 assert torch.equal(c[st.rows[st.done]], orig[st.rows[st.done]]), f"{name}: wrote a finished row"
             if merge:
                 assert int(decode_kernels.COUNTERS[q.device].abs().sum()) == 0, f"{name}: counters not reset"
@@ -748,16 +754,21 @@ def _decode_linear_for_hopper():
             assert "griddepcontrol.wait" in k.asm["ptx"], f"{what}: no PDL wait"
             assert "prefetch.global.L2" in k.asm["ptx"], f"{what}: W not prefetched before the PDL wait"
     fn = decode_kernels._decode_split_kernel  # the attention, its merge in the last split, under PDL
-    types = dict(q_ptr="*bf16", knew_ptr="*bf16", vnew_ptr="*bf16", pk_ptr="*bf16", pv_ptr="*bf16", ck_ptr="*bf16",
+    types = dict(q_ptr="*bf16", knew_ptr="*bf16", vnew_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16",
+                 pk_ptr="*bf16", pv_ptr="*bf16", ck_ptr="*bf16",
                  cv_ptr="*bf16", rows_ptr="*i64", done_ptr="*i1", start_ptr="*i32", slot_ptr="*i64", o_ptr="*fp32",
                  lse_ptr="*fp32", out_ptr="*bf16", count_ptr="*i32", G="i32", P="i32", qk_scale="fp32",
                  **{a: "i32" for a in fn.arg_names if a.startswith("stride_")})
-    const = dict(QPK=6, QPK_PAD=16, D=128, BLOCK_N=64, SPLITS=8, PRECISION="tf32", MERGE=True, USE_GDC=True)
+    const = dict(QPK=6, QPK_PAD=16, D=128, BLOCK_N=64, SPLITS=8, PRECISION="tf32", MERGE=True, ROPE=True,
+                 USE_GDC=True)
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a.endswith("_ptr")}
     k = triton.compile(ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}}, constexprs=const,
                                  attrs=attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4,
                                                                                               num_stages=3))
-    assert "griddepcontrol.wait" in k.asm["ptx"] and "atom" in k.asm["ptx"], "attention: no PDL wait or counter"
+    ptx = k.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and "atom" in ptx, "attention: no PDL wait or counter"
+    before = ptx[:ptx.index("griddepcontrol.wait")].count("ld.global")  # the decode state: rows, start, slot, done
+    assert before >= 4, f"attention: {before} global loads before the PDL wait"
 
 
 @check
@@ -913,12 +924,14 @@ def test_rollout_greedy_matches_hf_generate():
     buckets, asserted), and one that ends every row by step 2 (the trailing all-padding columns are trimmed); the
     triton GEMMs in small buckets and cuBLAS on the same folded weights in larger ones; the cuda GEMMs' plumbing
     (the op nanogrpo::decode_linear_cuda with the norm's weight, eps, residual and SiLU * up as rollout passes them;
-    on the CPU it runs decode_linear_torch) in small buckets, cuBLAS in larger ones"""
+    on the CPU it runs decode_linear_torch) in small buckets, cuBLAS in larger ones; RoPE in the attention op
+    (torch ops, and the Triton kernel)"""
     import decode_cuda
     from unittest import mock
     G, T = 3, 12
     with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True, DECODE_GEMM="torch",
-                        TRITON_GEMM_MAX_ROWS=4, CUDA_GEMM_MAX_ROWS=4, CUDA_GEMMS=("qkv", "o", "gate_up", "down")) \
+                        ATTENTION="auto", TRITON_GEMM_MAX_ROWS=4, CUDA_GEMM_MAX_ROWS=4,
+                        CUDA_GEMMS=("qkv", "o", "gate_up", "down")) \
             as rollout, \
             mock.patch.object(decode_cuda, "unsupported", lambda device, dtype: None):  # (9 slots: cuBLAS; <= 4
         #                                                 theirs; cuda on the CPU: its plumbing, through the reference)
@@ -944,7 +957,8 @@ def test_rollout_greedy_matches_hf_generate():
                 gemms.get(gemm, set()).update(rollout.LAST["gemms"])
                 assert rollout.LAST["fused"] == fuse, f"{name}: fused path {rollout.LAST['fused']}, want {fuse}"
                 assert rollout.LAST["gemm"] == (gemm if fuse else "torch"), f"{name}: gemm {rollout.LAST['gemm']}"
-                assert (rollout.LAST["rope"] == "epilogue") == (gemm == "triton"), f"{name}: {rollout.LAST['rope']}"
+                assert rollout.LAST["rope"] == ("epilogue" if gemm == "triton" else "attention" if fuse else
+                                                "torch"), f"{name}: {rollout.LAST['rope']}"
                 assert ids.shape == mask.shape and ids.shape[0] == 3 * G, f"{name}: shapes"
                 lens_ref = [next((i + 1 for i, x in enumerate(row) if x in eos), len(row)) for row in ref]
                 assert ids.shape[1] == max(lens_ref), f"{name}: {ids.shape[1]} columns, want {max(lens_ref)}"
@@ -955,6 +969,14 @@ def test_rollout_greedy_matches_hf_generate():
                 assert lens_ref[0] <= 4, f"{name}: EOS did not end row 0 early"
         assert compacted, "no call compacted its live rows into a smaller bucket"
         assert gemms == {"triton": {"folded", "triton"}, "cuda": {"torch", "cuda"}}, f"custom GEMMs' buckets: {gemms}"
+        rollout.ATTENTION, rollout.DECODE_GEMM = "triton", "torch"  # the attention kernel (the interpreter) with
+        model = _kv_model("qwen3", attn_implementation="sdpa")  # RoPE in it, as on a GPU: cos/sin through the op,
+        prompt_ids, prompt_mask, _, _ = _kv_batch(G=G, prompt_lens=(3, 7, 5), seed=3)  # q|k|v's strides
+        ref = _kv_generate_reference(model, prompt_ids, prompt_mask, 6, eos=99999)
+        ids, _ = rollout.generate_groups(model, prompt_ids, prompt_mask, G, 6, temperature=0.0, eos_token_id=99999,
+                                         pad_token_id=0)
+        assert rollout.LAST["attention"] == "triton" and rollout.LAST["rope"] == "attention", rollout.LAST
+        assert [ids[r].tolist() for r in range(0, ids.shape[0], G)] == ref, "the attention kernel's tokens"
 
         class Shifted(torch.nn.Linear):  # a projection that is more than x @ W^T + b (as a LoRA or quantized one is)
             def forward(self, x):
