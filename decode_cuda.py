@@ -248,7 +248,9 @@ PDL = True  # launch with programmatic dependent launch (False: each kernel wait
 MAX_ROWS = 16  # M <= 16: two 8-row x tiles in the mma's n
 SLOT_BYTES = 60 * 1024  # a ring slot: the largest chunk of K whose W rows fit this
 WHOLE_BYTES = 180 * 1024  # a CTA's whole W in flight if it fits this (0.5B gate|up: 3 tiles, 174 KB)...
-RING_BYTES = 120 * 1024  # ...else a ring of this much (1.5B gate|up: 2 slots, so down's CTAs find room beside it)
+RING_BYTES = 120 * 1024  # ...else a ring of this much
+GLU_BYTES = (100 * 1024, 200 * 1024)  # gate|up's slot and ring up to 8 rows: at 1.5B two slots of its whole K (1536
+#                                       columns), 1.564 ms a step at 8 rows on an H200 against 1.625 with two of half K
 SPLIT_KC = (1024, 2048)  # split K (no norm, no SiLU * up, K > the upper end) into ranges of this many columns
 SMEM_CTA = 227 * 1024  # Hopper's shared memory: a CTA's most, and an SM's (228 KB, 1 KB reserved a CTA)
 SMEM_SM = 228 * 1024
@@ -266,7 +268,8 @@ def plan(M, N, K, norm, glu, sms):
     caller falls back to torch). From the sweeps on an H200 (BENCHMARKS): 8 warps (4 where a split of K needs them),
     a 16-row tile of W an item, persistent CTAs (one an SM, two for split K), K unsplit but for a long K with too few
     tiles (down_proj: ranges of 1-2K columns, the split count closest to two CTAs an SM), chunks of K as large as a
-    slot holds, the whole W of a CTA in flight where it fits, else a ring of RING_BYTES"""
+    slot holds, the whole W of a CTA in flight where it fits, else a ring of RING_BYTES (gate|up at <= 8 rows:
+    GLU_BYTES)"""
     if M < 1 or M > MAX_ROWS or K % 8 or N < 1:
         return None
     ntile, ntiles, mt = (2 if glu else 1), -(-N // 16), -(-M // 8)
@@ -284,16 +287,17 @@ def plan(M, N, K, norm, glu, sms):
             kc, step = K // ks, 16 * (nw // ntile)
             if per_sm == 2 and ks == 1:
                 continue
-            kch = max((c for c in range(step, kc + 1, step) if kc % c == 0 and ntile * 16 * (2 * c + 16) <= SLOT_BYTES),
+            slot_max, ring = GLU_BYTES if glu and mt == 1 else (SLOT_BYTES, RING_BYTES)
+            kch = max((c for c in range(step, kc + 1, step) if kc % c == 0 and ntile * 16 * (2 * c + 16) <= slot_max),
                       default=0)
             if kch < 256:  # (a prime factor in K/step: chunks would be tiny) the whole range in one slot, if it fits
-                kch = kc if ntile * 16 * (2 * kc + 16) <= 2 * SLOT_BYTES else 0
+                kch = kc if ntile * 16 * (2 * kc + 16) <= 2 * slot_max else 0
             if not kch:
                 continue
             slot = ntile * 16 * (2 * kch + 16)
             grid = ks * min(ntiles, max(1, per_sm * sms // ks))
             stages = -(-ntiles // (grid // ks)) * (kc // kch)
-            nst = stages if stages * slot <= WHOLE_BYTES else max(1, min(stages, RING_BYTES // slot))
+            nst = stages if stages * slot <= WHOLE_BYTES else max(1, min(stages, ring // slot))
             for nst in range(nst, 0, -1):
                 d = dict(K=K, KS=ks, MT=mt, NORM=int(norm), GLU=int(glu), NW=nw, KCH=kch, NST=nst)
                 if smem_bytes(d) <= SMEM_CTA and per_sm * (smem_bytes(d) + 2048) <= SMEM_SM:

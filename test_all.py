@@ -888,7 +888,7 @@ def test_decode_cuda_plans_and_compiles_for_hopper():
     assert dc.plan(17, 896, 896, False, False, 132) is None and dc.plan(8, 896, 900, False, False, 132) is None
     sub = lambda d, **kw: all(d[k] == v for k, v in kw.items())  # noqa: E731
     assert sub(plans["q05", "gu", 8], KCH=896, NST=3) and sub(plans["q05", "down", 8], KS=4, NW=4, KCH=1216)
-    assert sub(plans["q15", "gu", 8], KCH=768, NST=2) and sub(plans["q15", "down", 8], KS=5, KCH=1792, NST=1)
+    assert sub(plans["q15", "gu", 8], KCH=1536, NST=2) and sub(plans["q15", "down", 8], KS=5, KCH=1792, NST=1)
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         print("    (no nvcc: the sm_90 compile is not checked here)")
