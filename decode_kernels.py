@@ -393,3 +393,60 @@ def sample_triton(logits, seed, temperature, BLOCK_V=2048):
                               BLOCKS_PAD=max(16, triton.next_power_of_2(blocks)), BLOCK_V=BLOCK_V, num_warps=8)
     seed.add_(1)
     return tok, logp
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bookkeeping: what a decode step records after sampling, one Triton kernel (15 small torch kernels otherwise)
+
+
+def record_torch(new, lp, sl, slot, ids, logps, keep, is_eos, pad):
+    """after a step drew new (n,) tokens with log-probs lp (n,): finished slots (sl.done) get pad, log-prob 0 and
+    keep False; each slot's token lands at column slot + 1 of its row (sl.rows) in ids, logps and keep (N, T); a slot
+    that drew an EOS (is_eos (V,)) is done; sl.tok (n, 1) = the new tokens, sl.pos (n, 1) and slot (1,) advance"""
+    T = ids.shape[1]
+    new = new.masked_fill(sl.done, pad)
+    flat = sl.rows * T + slot + 1  # token index slot+1 of each slot's row
+    ids.view(-1).index_copy_(0, flat, new)
+    logps.view(-1).index_copy_(0, flat, lp.masked_fill(sl.done, 0))
+    keep.view(-1).index_copy_(0, flat, ~sl.done)
+    sl.done |= is_eos[new]
+    sl.tok.copy_(new[:, None])
+    sl.pos.add_(1)
+    slot.add_(1)
+
+
+@triton.jit
+def _record_kernel(new_ptr, lp_ptr, rows_ptr, done_ptr, tok_ptr, pos_ptr, slot_ptr, ids_ptr, logps_ptr, keep_ptr,
+                   is_eos_ptr, n, T, V, pad, BLOCK: tl.constexpr):
+    """record_torch in one program: every slot's reads come before the one write of slot"""
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    done = tl.load(done_ptr + offs, mask=ok, other=1) != 0
+    new = tl.where(done, pad, tl.load(new_ptr + offs, mask=ok, other=0))
+    slot = tl.load(slot_ptr)
+    flat = tl.load(rows_ptr + offs, mask=ok, other=0) * T + slot + 1
+    tl.store(ids_ptr + flat, new, mask=ok)
+    tl.store(logps_ptr + flat, tl.where(done, 0., tl.load(lp_ptr + offs, mask=ok, other=0.)), mask=ok)
+    tl.store(keep_ptr + flat, done == 0, mask=ok)
+    eos = tl.load(is_eos_ptr + new, mask=ok & (new >= 0) & (new < V), other=0) != 0
+    tl.store(done_ptr + offs, (done | eos).to(tl.int1), mask=ok)
+    tl.store(tok_ptr + offs, new, mask=ok)
+    tl.store(pos_ptr + offs, tl.load(pos_ptr + offs, mask=ok, other=0) + 1, mask=ok)
+    tl.debug_barrier()  # (every thread has read slot)
+    tl.store(slot_ptr, slot + 1)
+
+
+def record_triton(new, lp, sl, slot, ids, logps, keep, is_eos, pad):
+    """record_torch as one launch (_record_kernel); the slot state's tensors contiguous, as generate_groups makes
+    them"""
+    n = new.shape[0]
+    assert sl.tok.is_contiguous() and sl.pos.is_contiguous() and ids.is_contiguous() and keep.is_contiguous()
+    _record_kernel[(1,)](new, lp, sl.rows, sl.done, sl.tok, sl.pos, slot, ids, logps, keep, is_eos, n, ids.shape[1],
+                         is_eos.numel(), pad, BLOCK=max(16, triton.next_power_of_2(n)), num_warps=4)
+
+
+def record(new, lp, sl, slot, ids, logps, keep, is_eos, pad):
+    """a step's bookkeeping: record_triton on CUDA (one launch where record_torch's 15 kernels of ~1.3 us each ran
+    one after another between the sampler and the next step), record_torch elsewhere"""
+    fn = record_triton if new.device.type == "cuda" else record_torch
+    return fn(new, lp, sl, slot, ids, logps, keep, is_eos, pad)

@@ -52,7 +52,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 import decode_cuda  # (registers the op nanogrpo::decode_linear_cuda)
 from decode_gemm import decode_linear_op, fold_norm, rms_norm_torch  # noqa: F401 (decode_linear_op: registers the op)
 import decode_kernels
-from decode_kernels import decode_attention_op, sample, sample_triton
+from decode_kernels import decode_attention_op, record, sample, sample_triton
 from kv_reuse import positions, reuse_unsupported, trim_left_padding
 from lora import effective_weight
 
@@ -527,17 +527,8 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                 with contextlib.nullcontext() if fused is not None else decode_step(model, st):  # (state: an arg)
                     return forward_compiled_or_not(model, forward_fn, *args) if compiled else forward_fn(*args)
 
-            def step():
-                new, lp = draw(forward())  # (n,), (n,)
-                new = new.masked_fill(sl.done, pad)
-                flat = sl.rows * T + slot + 1  # token index slot+1 of each slot's row
-                ids.view(-1).index_copy_(0, flat, new)
-                logps.view(-1).index_copy_(0, flat, lp.masked_fill(sl.done, 0))
-                keep.view(-1).index_copy_(0, flat, ~sl.done)
-                sl.done |= is_eos[new]
-                sl.tok.copy_(new[:, None])
-                sl.pos.add_(1)
-                slot.add_(1)
+            def step():  # draw (n,) tokens and log-probs; record them at column slot + 1 of each slot's row
+                record(*draw(forward()), sl, slot, ids, logps, keep, is_eos, pad)
             if not graph:
                 return step
             try:

@@ -787,6 +787,33 @@ def test_rollout_decode_linear_compiles_for_hopper():
 
 
 @check
+def test_rollout_record_kernel_vs_torch():
+    """a decode step's bookkeeping in one launch (decode_kernels.record_triton) == record_torch: finished slots get
+    pad, log-prob 0 and keep False, each token lands at column slot + 1 of its slot's row (a permuted slot -> row
+    map, a bucket of 5 of 12 rows and a full one), an EOS draw finishes its slot, tok = the draws, pos and slot + 1"""
+    g = torch.Generator().manual_seed(0)
+    N, T, V, pad = 12, 7, 50, 3
+    is_eos = torch.zeros(V, dtype=torch.bool)
+    is_eos[[4, 9, pad]] = True
+    for n in (5, 12):
+        state = dict(rows=torch.randperm(N, generator=g)[:n], tok=torch.randint(0, V, (n, 1), generator=g),
+                     pos=torch.randint(0, 100, (n, 1), generator=g), done=torch.arange(n) % 3 == 1)
+        cache = (torch.randint(0, V, (N, T), generator=g), torch.randn(N, T, generator=g),
+                 torch.rand(N, T, generator=g) < .5)  # ids, logps, keep
+        new, lp = torch.randint(0, V, (n,), generator=g), torch.randn(n, generator=g)
+        new[0] = 4  # (slot 0 is live: it draws an EOS)
+        outs = []
+        for fn in (decode_kernels.record_torch, decode_kernels.record_triton):
+            sl = SimpleNamespace(**{k: v.clone().to(DEVICE) for k, v in state.items()})
+            slot, (ids, logps, keep) = torch.tensor([3], device=DEVICE), (t.clone().to(DEVICE) for t in cache)
+            fn(new.to(DEVICE), lp.to(DEVICE), sl, slot, ids, logps, keep, is_eos.to(DEVICE), pad)
+            outs.append((ids, logps, keep, sl.done, sl.tok, sl.pos, slot))
+        for what, a, b in zip(("ids", "logps", "keep", "done", "tok", "pos", "slot"), *outs):
+            assert torch.equal(a, b), f"n={n} {what}: {b.tolist()} != {a.tolist()}"
+        assert outs[0][3][0] and int(outs[0][6]) == 4, "the EOS draw did not finish slot 0, or slot did not advance"
+
+
+@check
 def test_rollout_sampler_kernel_draws_softmax():
     """the inverse-CDF kernels draw from softmax(logits / T) across vocabulary blocks (4 likely ids in 3 blocks of
     1024 or 1 of 4096, one at the last id, and -inf padding ids that must never be drawn), return each draw's
