@@ -335,7 +335,8 @@ def bench_attention(sweep=False, P=512):
             def run():
                 st.splits = dk.num_splits(n, kvh, q.device)
                 return dk.decode_attention_triton(q, kv, kv, next(cycle), st, D ** -0.5, *rope)
-            ref = dk.decode_attention_torch(q, kv, kv, layers[0], st, D ** -0.5, *rope).float()
+            ref = dk.decode_attention_torch(dk.rope_torch(q, *rope), dk.rope_torch(kv, *rope), kv, layers[0], st,
+                                            D ** -0.5).float()
             out = run().float()  # (layers[0]: the cycle starts there)
             err = ((out - ref).abs().max() / ref.abs().max()).item()
             us = lambda: do_bench_cudagraph(run, rep=30) * 1e3 if CUDA else math.nan  # noqa

@@ -260,10 +260,9 @@ def rope_torch(x, cos, sin):
     return (x * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
 
 
-def decode_attention_torch(q, k_new, v_new, layer, st, scale, cos=None, sin=None):
-    """reference (and the CPU path): the same function with plain torch ops, reading the whole cache under a mask"""
-    if cos is not None:
-        q, k_new = rope_torch(q, cos, sin), rope_torch(k_new, cos, sin)
+def decode_attention_torch(q, k_new, v_new, layer, st, scale):
+    """reference (and the CPU path): the same function with plain torch ops, reading the whole cache under a mask
+    (q and k_new rotated already: decode_attention_triton's cos/sin is rope_torch before this)"""
     pk, pv, ck, cv = layer
     rows, t = st.rows, st.slot  # (n,), (1,)
     ck[rows, :, t] = k_new[:, :, 0]  # (n, kvh, D) into column t of each slot's row

@@ -269,8 +269,8 @@ def rope_in_attention(model):
     """whether the attention op may apply the model's RoPE (decode_kernels.rope_torch: rotate-half on whole heads,
     as llama/qwen2/qwen3 do; not a partial or interleaved rotary): the model's own apply_rotary_pos_emb, tried on
     random input, must give rope_torch's bits. Then decode_forward hands it (cos, sin) and q|k|v unrotated, and a
-    layer runs no RoPE kernel: the attention's split programs load their keys before the PDL wait and rotate q and
-    this step's key after it (H200: BENCHMARKS, "RoPE in the attention")"""
+    layer runs no RoPE kernel: the attention's split programs rotate q and this step's key (H200: BENCHMARKS, "RoPE
+    in the attention")"""
     attn = model.model.layers[0].self_attn
     apply = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
     g = torch.Generator().manual_seed(0)

@@ -662,7 +662,8 @@ def test_rollout_attention_kernel_vs_torch():
                                                              *cs)
             finally:
                 decode_kernels.MERGE_IN_SPLIT = False
-            want = decode_kernels.decode_attention_torch(q, k_new, v_new, (pk, pv, *want_cache), st, D ** -0.5, *cs)
+            rq, rk = (decode_kernels.rope_torch(x, *cs) for x in (q, k_new)) if rope else (q, k_new)
+            want = decode_kernels.decode_attention_torch(rq, rk, v_new, (pk, pv, *want_cache), st, D ** -0.5)
             live = ~st.done
             name = f"N={N} h={h} kvh={kvh} P={P} t={t} splits={S} merge in split {merge} rope {rope}"
             assert got.shape == (n, 1, h, D), name
