@@ -266,20 +266,12 @@ def epilogue_rope(model, device):
 
 
 def rope_in_attention(model):
-    """whether the attention op may apply the model's RoPE (decode_kernels.rope_torch: rotate-half on whole heads,
-    as llama/qwen2/qwen3 do; not a partial or interleaved rotary): the model's own apply_rotary_pos_emb, tried on
-    random input, must give rope_torch's bits. Then decode_forward hands it (cos, sin) and q|k|v unrotated, and a
-    layer runs no RoPE kernel: the attention's split programs rotate q and this step's key (H200: BENCHMARKS, "RoPE
-    in the attention")"""
+    """whether the attention op may apply the model's RoPE: its own apply_rotary_pos_emb is rope_torch's formula
+    (decode_kernels.rope_matches: rotate-half on whole heads, as llama/qwen2/qwen3). Then decode_forward hands the
+    op (cos, sin) and q|k|v unrotated, and a layer runs no RoPE kernel (H200: BENCHMARKS, "RoPE in the attention")"""
     attn = model.model.layers[0].self_attn
-    apply = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
-    g = torch.Generator().manual_seed(0)
-    q, k, cos, sin = (torch.randn(2, heads, 1, attn.head_dim, generator=g) for heads in (3, 2, 1, 1))
-    try:
-        return all(torch.equal(a, decode_kernels.rope_torch(b, cos[:, 0], sin[:, 0]))
-                   for a, b in zip(apply(q, k, cos[:, 0], sin[:, 0]), (q, k)))
-    except Exception:  # (no such function, or another signature)
-        return False
+    return decode_kernels.rope_matches(getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None),
+                                       attn.head_dim)
 
 
 def attention_inputs(st, layer, h, w_qkv, b_qkv, qk_norm, pos, cos, sin):
