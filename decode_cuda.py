@@ -252,6 +252,9 @@ RING_BYTES = 120 * 1024  # ...else a ring of this much
 GLU_BYTES = (100 * 1024, 200 * 1024)  # gate|up's slot and ring up to 8 rows: at 1.5B two slots of its whole K (1536
 #                                       columns), 1.564 ms a step at 8 rows on an H200 against 1.625 with two of half K
 SPLIT_KC = (1024, 2048)  # split K (no norm, no SiLU * up, K > the upper end) into ranges of this many columns
+SERIAL_STAGES = 2  # split K in a ring of one slot (a chunk loads only after the last one's math): no plan of more
+#                   stages than this, cuBLAS instead (H200, 8 rows, down_proj: 3B, 4 stages, 21.8 us against cuBLAS's
+#                   18.9; 7B, 14 stages, 61.1 against 41.9; 1.5B, 2 stages, 12.1 against 13.8)
 SMEM_CTA = 227 * 1024  # Hopper's shared memory: a CTA's most, and an SM's (228 KB, 1 KB reserved a CTA)
 SMEM_SM = 228 * 1024
 
@@ -269,7 +272,8 @@ def plan(M, N, K, norm, glu, sms):
     a 16-row tile of W an item, persistent CTAs (one an SM, two for split K), K unsplit but for a long K with too few
     tiles (down_proj: ranges of 1-2K columns, the split count closest to two CTAs an SM), chunks of K as large as a
     slot holds, the whole W of a CTA in flight where it fits, else a ring of RING_BYTES (gate|up at <= 8 rows:
-    GLU_BYTES)"""
+    GLU_BYTES). None too for a split K whose ranges fit only one slot and a CTA has more than SERIAL_STAGES of them
+    (a large prime factor in K / 64: down_proj at Qwen2.5 3B and 7B): cuBLAS streams those faster"""
     if M < 1 or M > MAX_ROWS or K % 8 or N < 1:
         return None
     ntile, ntiles, mt = (2 if glu else 1), -(-N // 16), -(-M // 8)
@@ -301,7 +305,11 @@ def plan(M, N, K, norm, glu, sms):
             for nst in range(nst, 0, -1):
                 d = dict(K=K, KS=ks, MT=mt, NORM=int(norm), GLU=int(glu), NW=nw, KCH=kch, NST=nst)
                 if smem_bytes(d) <= SMEM_CTA and per_sm * (smem_bytes(d) + 2048) <= SMEM_SM:
-                    return d, grid
+                    break
+            else:
+                continue
+            if nst > 1 or ks == 1 or stages <= SERIAL_STAGES:
+                return d, grid
     return None
 
 

@@ -882,7 +882,8 @@ def test_rollout_logprobs_are_the_samplers():
 @check
 def test_decode_cuda_plans_and_compiles_for_hopper():
     """decode_cuda's kernels, with no GPU here: plan gives each of a decode layer's four GEMMs a configuration at
-    1-16 rows on Qwen2.5 0.5B-7B, Llama 3.2 1B / 3.1 8B, Qwen3 0.6B / 1.7B and SmolLM2 shapes (whole K splits and
+    1-16 rows on Qwen2.5 0.5B-7B, Llama 3.2 1B / 3.1 8B, Qwen3 0.6B / 1.7B and SmolLM2 shapes (but down_proj at 3B and
+    7B, left to cuBLAS by SERIAL_STAGES; whole K splits and
     chunks, a chunk a multiple of its warps' 16-column mma steps, the norm and SiLU * up unsplit, a grid of whole
     splits, shared memory within Hopper's 227 KB a CTA and two CTAs an SM where it says two), and the ones the H200
     sweeps found at 0.5B and 1.5B. With nvcc (13.0 here; skipped without), the 0.5B and 1.5B kernels compile for
@@ -903,6 +904,9 @@ def test_decode_cuda_plans_and_compiles_for_hopper():
             for what, (N, K, norm, glu) in dict(qkv=((nq + 2 * nkv) * D, H, True, False), o=(H, nq * D, False, False),
                                                 gu=(I, H, True, True), down=(H, I, False, False)).items():
                 p = dc.plan(M, N, K, norm, glu, 132)
+                if what == "down" and name in ("q3", "q7"):  # K = 64 x 43 x 4, 64 x 37 x 8: one-slot ranges (torch)
+                    assert p is None, f"{name} down M={M}: {p}, a one-slot ring of more than SERIAL_STAGES stages"
+                    continue
                 assert p is not None, f"{name} {what} M={M}: no plan"
                 (d, grid), ntile = p, 2 if glu else 1
                 plans[(name, what, M)] = d
