@@ -304,12 +304,10 @@ def plan(M, N, K, norm, glu, sms):
             nst = stages if stages * slot <= WHOLE_BYTES else max(1, min(stages, ring // slot))
             for nst in range(nst, 0, -1):
                 d = dict(K=K, KS=ks, MT=mt, NORM=int(norm), GLU=int(glu), NW=nw, KCH=kch, NST=nst)
-                if smem_bytes(d) <= SMEM_CTA and per_sm * (smem_bytes(d) + 2048) <= SMEM_SM:
-                    break
-            else:
-                continue
-            if nst > 1 or ks == 1 or stages <= SERIAL_STAGES:
-                return d, grid
+                fits = smem_bytes(d) <= SMEM_CTA and per_sm * (smem_bytes(d) + 2048) <= SMEM_SM
+                serial = ks > 1 and nst == 1 and stages > SERIAL_STAGES  # (each chunk's load waits on the math)
+                if fits and not serial:
+                    return d, grid
     return None
 
 

@@ -882,10 +882,10 @@ def test_rollout_logprobs_are_the_samplers():
 @check
 def test_decode_cuda_plans_and_compiles_for_hopper():
     """decode_cuda's kernels, with no GPU here: plan gives each of a decode layer's four GEMMs a configuration at
-    1-16 rows on Qwen2.5 0.5B-7B, Llama 3.2 1B / 3.1 8B, Qwen3 0.6B / 1.7B and SmolLM2 shapes (but down_proj at 3B and
-    7B, left to cuBLAS by SERIAL_STAGES; whole K splits and
-    chunks, a chunk a multiple of its warps' 16-column mma steps, the norm and SiLU * up unsplit, a grid of whole
-    splits, shared memory within Hopper's 227 KB a CTA and two CTAs an SM where it says two), and the ones the H200
+    1-16 rows on Qwen2.5 0.5B-7B, Llama 3.2 1B / 3.1 8B, Qwen3 0.6B / 1.7B and SmolLM2 shapes, but down_proj at 3B and
+    7B, which SERIAL_STAGES leaves to cuBLAS (whole K splits and chunks, a chunk a multiple of its warps' 16-column
+    mma steps, the norm and SiLU * up unsplit, a grid of whole splits, shared memory within Hopper's 227 KB a CTA and
+    two CTAs an SM where it says two), and the ones the H200
     sweeps found at 0.5B and 1.5B. With nvcc (13.0 here; skipped without), the 0.5B and 1.5B kernels compile for
     sm_90 without spills, and in the PTX the weight copies come before the PDL wait and the next kernel's launch
     after it: the order that lets the weights stream while the kernel before still runs."""
