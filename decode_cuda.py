@@ -17,10 +17,11 @@ here first bulk-copies its W rows into shared memory, and only then waits (gridd
     split K (long K, few tiles: down_proj): each split stores float32 partial sums, the last to arrive (a counter a
     tile) sums them in split order, so the bits do not depend on the timing.
 
-On an H200 a layer's four GEMMs chained this way take 21.0 us at the 0.5B shape and 8 rows against 31.4 for the
-engine's torch.compile + PDL (41.4 against 49.9 at 1.5B); the same kernels launched without PDL lose. In a decode
-step the gain is smaller, and only at 8 rows: -9% a step at 0.5B, -5% at 1.5B (16 rows are slower), so rollout runs
-them in buckets of <= 8 rows, opt-in (BENCHMARKS, "The weights-first CUDA GEMMs in the engine").
+On an H200 a layer's four GEMMs chained this way take 21.2 us at the 0.5B shape and 8 rows against 33.3 for the
+engine's torch.compile + PDL (38.0 against 52.0 at 1.5B); the same kernels launched without PDL lose. In a decode
+step the gain is smaller, and only at 8 rows: -15% a step at 0.5B, -10% at 1.5B (16 rows are slower), so rollout
+runs them in buckets of <= 8 rows, opt-in (BENCHMARKS, "The weights-first CUDA GEMMs in the engine" and "Inside
+decode_cuda's PDL chain").
 
 Memory order under PDL: a kernel writes nothing before its wait (which returns once the kernel before has finished
 and flushed), and lets the next kernel launch only after it has read x. Its residual is read in the epilogue, after
@@ -44,7 +45,8 @@ SRC = r"""
 #include <cuda_bf16.h>
 typedef unsigned int u32;
 typedef unsigned long long u64;
-// compile-time: K, KS (K splits), MT (8-row x tiles), NORM, GLU, NW (warps), KCH (a chunk of K), NST (ring slots)
+// compile-time: K, KS (K splits), MT (8-row x tiles), NORM, GLU, NW (warps), KCH (a chunk of K), NST (ring slots),
+// PW (ring stages issued before the PDL wait; the rest of the first NST once x is in)
 #define KC (K / KS)                // a split's K range
 #define NCH (KC / KCH)             // its chunks
 #define SROWB (KCH * 2 + 16)       // a W row in a slot, padded: the 32-bit fragment loads hit distinct banks
@@ -113,9 +115,9 @@ decode_gemv(const __nv_bfloat16* W, const __nv_bfloat16* x, int ldx, const __nv_
             if (n < N) bulk_copy(dst + r * SROWB, W + (long long)(r < 16 ? n : N + n) * K + k0, KCH * 2, b);
         }
     };
-    if (warp == 0) {   // what does not depend on the kernel before: the norm's weight and the first NST stages of W
+    if (warp == 0) {   // what does not depend on the kernel before: the norm's weight and the first PW stages of W
         if (NORM && lane == 0) { expect_bytes(&nbar, K * 2); bulk_copy(nws, norm_w, K * 2, &nbar); }
-        for (int s = 0; s < NST && s < S; ++s) issue(s);
+        for (int s = 0; s < PW && s < S; ++s) issue(s);
     }
     asm volatile("griddepcontrol.wait;" ::: "memory");   // PDL: the kernel before has finished, its writes visible
     {   // x rows (zero past M), this split's K range: every load issued before any store
@@ -135,6 +137,8 @@ decode_gemv(const __nv_bfloat16* W, const __nv_bfloat16* x, int ldx, const __nv_
     }
     __syncthreads();
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");   // x is read: the next kernel may launch
+    if (warp == 0)
+        for (int s = PW; s < NST && s < S; ++s) issue(s);
 #if NORM
     wait_bytes(&nbar, 0);
     for (int r = warp; r < M; r += NW) {   // rstd = rsqrt(mean(x^2) + eps), float32 as transformers' RMSNorm
@@ -252,6 +256,9 @@ RING_BYTES = 120 * 1024  # ...else a ring of this much
 GLU_BYTES = (100 * 1024, 200 * 1024)  # gate|up's slot and ring up to 8 rows: at 1.5B two slots of its whole K (1536
 #                                       columns), 1.564 ms a step at 8 rows on an H200 against 1.625 with two of half K
 SPLIT_KC = (1024, 2048)  # split K (no norm, no SiLU * up, K > the upper end) into ranges of this many columns
+GLU_PREWAIT = 1  # gate|up's ring stages issued before the PDL wait, the rest once x is in: its W (12-35 MB a layer)
+#                 all in flight delays x's loads and the wait itself (H200, 8 rows, a layer's chain: 0.5B 21.0 us
+#                 against 21.6 with all three stages before it, 1.5B 37.5 against 39.1; BENCHMARKS)
 SERIAL_STAGES = 2  # split K in a ring of one slot (a chunk loads only after the last one's math): no plan of more
 #                   stages than this, cuBLAS instead (H200, 8 rows, down_proj: 3B, 4 stages, 21.8 us against cuBLAS's
 #                   18.9; 7B, 14 stages, 61.1 against 41.9; 1.5B, 2 stages, 12.1 against 13.8)
@@ -272,8 +279,9 @@ def plan(M, N, K, norm, glu, sms):
     a 16-row tile of W an item, persistent CTAs (one an SM, two for split K), K unsplit but for a long K with too few
     tiles (down_proj: ranges of 1-2K columns, the split count closest to two CTAs an SM), chunks of K as large as a
     slot holds, the whole W of a CTA in flight where it fits, else a ring of RING_BYTES (gate|up at <= 8 rows:
-    GLU_BYTES). None too for a split K whose ranges fit only one slot and a CTA has more than SERIAL_STAGES of them
-    (a large prime factor in K / 64: down_proj at Qwen2.5 3B and 7B): cuBLAS streams those faster"""
+    GLU_BYTES), all of its first stages issued before the PDL wait but gate|up's (GLU_PREWAIT of them). None too for
+    a split K whose ranges fit only one slot and a CTA has more than SERIAL_STAGES of them (a large prime factor in
+    K / 64: down_proj at Qwen2.5 3B and 7B): cuBLAS streams those faster"""
     if M < 1 or M > MAX_ROWS or K % 8 or N < 1:
         return None
     ntile, ntiles, mt = (2 if glu else 1), -(-N // 16), -(-M // 8)
@@ -303,7 +311,8 @@ def plan(M, N, K, norm, glu, sms):
             stages = -(-ntiles // (grid // ks)) * (kc // kch)
             nst = stages if stages * slot <= WHOLE_BYTES else max(1, min(stages, ring // slot))
             for nst in range(nst, 0, -1):
-                d = dict(K=K, KS=ks, MT=mt, NORM=int(norm), GLU=int(glu), NW=nw, KCH=kch, NST=nst)
+                d = dict(K=K, KS=ks, MT=mt, NORM=int(norm), GLU=int(glu), NW=nw, KCH=kch, NST=nst,
+                         PW=min(nst, GLU_PREWAIT) if glu else nst)
                 fits = smem_bytes(d) <= SMEM_CTA and per_sm * (smem_bytes(d) + 2048) <= SMEM_SM
                 serial = ks > 1 and nst == 1 and stages > SERIAL_STAGES  # (each chunk's load waits on the math)
                 if fits and not serial:

@@ -885,8 +885,8 @@ def test_decode_cuda_plans_and_compiles_for_hopper():
     1-16 rows on Qwen2.5 0.5B-7B, Llama 3.2 1B / 3.1 8B, Qwen3 0.6B / 1.7B and SmolLM2 shapes, but down_proj at 3B and
     7B, which SERIAL_STAGES leaves to cuBLAS (whole K splits and chunks, a chunk a multiple of its warps' 16-column
     mma steps, the norm and SiLU * up unsplit, a grid of whole splits, shared memory within Hopper's 227 KB a CTA and
-    two CTAs an SM where it says two), and the ones the H200
-    sweeps found at 0.5B and 1.5B. With nvcc (13.0 here; skipped without), the 0.5B and 1.5B kernels compile for
+    two CTAs an SM where it says two; gate|up's first GLU_PREWAIT stages before the PDL wait, every other kernel's
+    whole first ring), and the ones the H200 sweeps found at 0.5B and 1.5B. With nvcc (13.0 here; skipped without), the 0.5B and 1.5B kernels compile for
     sm_90 without spills, and in the PTX the weight copies come before the PDL wait and the next kernel's launch
     after it: the order that lets the weights stream while the kernel before still runs."""
     import concurrent.futures
@@ -919,8 +919,9 @@ def test_decode_cuda_plans_and_compiles_for_hopper():
                     f"{name} {what} M={M}: {dc.smem_bytes(d)} B of shared memory, {per_sm} CTAs an SM"
     assert dc.plan(17, 896, 896, False, False, 132) is None and dc.plan(8, 896, 900, False, False, 132) is None
     sub = lambda d, **kw: all(d[k] == v for k, v in kw.items())  # noqa: E731
-    assert sub(plans["q05", "gu", 8], KCH=896, NST=3) and sub(plans["q05", "down", 8], KS=4, NW=4, KCH=1216)
-    assert sub(plans["q15", "gu", 8], KCH=1536, NST=2) and sub(plans["q15", "down", 8], KS=5, KCH=1792, NST=1)
+    assert sub(plans["q05", "gu", 8], KCH=896, NST=3, PW=1) and sub(plans["q05", "down", 8], KS=4, NW=4, KCH=1216)
+    assert sub(plans["q15", "gu", 8], KCH=1536, NST=2, PW=1) and sub(plans["q15", "down", 8], KS=5, KCH=1792, NST=1)
+    assert all(d["PW"] == (min(d["NST"], dc.GLU_PREWAIT) if d["GLU"] else d["NST"]) for d in plans.values())
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         print("    (no nvcc: the sm_90 compile is not checked here)")
