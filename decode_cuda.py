@@ -256,9 +256,9 @@ RING_BYTES = 120 * 1024  # ...else a ring of this much
 GLU_BYTES = (100 * 1024, 200 * 1024)  # gate|up's slot and ring up to 8 rows: at 1.5B two slots of its whole K (1536
 #                                       columns), 1.564 ms a step at 8 rows on an H200 against 1.625 with two of half K
 SPLIT_KC = (1024, 2048)  # split K (no norm, no SiLU * up, K > the upper end) into ranges of this many columns
-GLU_PREWAIT = 1  # gate|up's ring stages issued before the PDL wait, the rest once x is in: its W (12-35 MB a layer)
-#                 all in flight delays x's loads and the wait itself (H200, 8 rows, a layer's chain: 0.5B 21.0 us
-#                 against 21.6 with all three stages before it, 1.5B 37.5 against 39.1; BENCHMARKS)
+GLU_PREWAIT = 1  # gate|up's ring stages issued before the PDL wait, the rest once x is in: its whole W (17-35 MB a
+#                 layer) in flight delays x's loads and the wait itself (H200, cuda GEMMs at 8 rows: a 1.5B step
+#                 1.52 ms against 1.62 with every stage before the wait; 0.5B within noise; BENCHMARKS)
 SERIAL_STAGES = 2  # split K in a ring of one slot (a chunk loads only after the last one's math): no plan of more
 #                   stages than this, cuBLAS instead (H200, 8 rows, down_proj: 3B, 4 stages, 21.8 us against cuBLAS's
 #                   18.9; 7B, 14 stages, 61.1 against 41.9; 1.5B, 2 stages, 12.1 against 13.8)
