@@ -886,9 +886,10 @@ def test_decode_cuda_plans_and_compiles_for_hopper():
     7B, which SERIAL_STAGES leaves to cuBLAS (whole K splits and chunks, a chunk a multiple of its warps' 16-column
     mma steps, the norm and SiLU * up unsplit, a grid of whole splits, shared memory within Hopper's 227 KB a CTA and
     two CTAs an SM where it says two; gate|up's first GLU_PREWAIT stages before the PDL wait, every other kernel's
-    whole first ring), and the ones the H200 sweeps found at 0.5B and 1.5B. With nvcc (13.0 here; skipped without), the 0.5B and 1.5B kernels compile for
-    sm_90 without spills, and in the PTX the weight copies come before the PDL wait and the next kernel's launch
-    after it: the order that lets the weights stream while the kernel before still runs."""
+    whole first ring), and the ones the H200 sweeps found at 0.5B and 1.5B. With nvcc (13.0 here; skipped without),
+    the 0.5B and 1.5B kernels compile for sm_90 without spills, and in the PTX the weight copies come before the PDL
+    wait and the next kernel's launch after it: the order that lets the weights stream while the kernel before still
+    runs."""
     import concurrent.futures
     import re
     import shutil
