@@ -10,8 +10,8 @@ here first bulk-copies its W rows into shared memory, and only then waits (gridd
     y = act(RMSNorm(x) @ W^T + b) + residual      act: SiLU(gate) * up on W = [gate; up] (2N, K)
 
     per CTA:  W chunks -> shared memory (cp.async.bulk, a ring of NST slots of KCH columns)    <- before the wait
-              griddepcontrol.wait; x (M <= 16 rows, this CTA's K range) -> shared memory; launch_dependents
-              RMSNorm of x as transformers rounds it: bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))
+              griddepcontrol.wait; x (M <= 16 rows, this CTA's K range) -> shared memory, normalized on the way
+              as transformers rounds RMSNorm: bf16(w * bf16(x * rsqrt(mean(x^2) + eps))); launch_dependents
               for each of its 16-row tiles of W, chunk by chunk: mma.sync m16n8k16, W as A (16 x 16), x as B
               epilogue: + b, SiLU(gate) * up, + residual, each rounded to bf16 where the model's ops round
     split K (long K, few tiles: down_proj): each split stores float32 partial sums, the last to arrive (a counter a
@@ -76,7 +76,8 @@ __device__ __forceinline__ void wait_bytes(u64* bar, int parity) {
         asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                      : "=r"(ok) : "r"(saddr(bar)), "r"(parity) : "memory"); }
 
-extern "C" __global__ void __launch_bounds__(NW * 32)
+// (the minimum of CTAs an SM: split K runs two, so <= 128 registers; without it ptxas spilled the norm at 48)
+extern "C" __global__ void __launch_bounds__(NW * 32, KS > 1 ? 2 : 1)
 decode_gemv(const __nv_bfloat16* W, const __nv_bfloat16* x, int ldx, const __nv_bfloat16* norm_w,
             const __nv_bfloat16* bias, const __nv_bfloat16* res, int ldr, __nv_bfloat16* y, int ldy,
             float* part, int* count, int M, int N, float eps)
@@ -88,9 +89,6 @@ decode_gemv(const __nv_bfloat16* W, const __nv_bfloat16* x, int ldx, const __nv_
     unsigned char* nws = reinterpret_cast<unsigned char*>(red + NTILE * SPLITW * 16 * XR);  // norm weight (K)
     __shared__ __align__(8) u64 full[NST];
     __shared__ __align__(8) u64 nbar;
-#if NORM
-    __shared__ float rstd[XR];
-#endif
 #if KS > 1
     __shared__ int last;
 #endif
@@ -120,6 +118,61 @@ decode_gemv(const __nv_bfloat16* W, const __nv_bfloat16* x, int ldx, const __nv_
         for (int s = 0; s < PW && s < S; ++s) issue(s);
     }
     asm volatile("griddepcontrol.wait;" ::: "memory");   // PDL: the kernel before has finished, its writes visible
+#if NORM
+    {   // x and its RMSNorm in one pass, a warp a row (zero past M): each lane loads its part of the row, stores it,
+        // and sums its squares; a warp sum gives rstd = rsqrt(mean(x^2) + eps) (float32, as transformers' RMSNorm);
+        // each lane then rewrites its own part as bf16(w * bf16(x * rstd)). No lane reads another's, so one barrier
+        // covers x and the norm (two passes over shared memory took two more: 1.3-1.8 us at 8 rows, BENCHMARKS)
+        constexpr int RW = (XR + NW - 1) / NW, NV = (K / 8 + 31) / 32;   // rows a warp, uint4s a lane of a row
+        uint4 v[RW][NV];
+#pragma unroll
+        for (int i = 0; i < RW; ++i)
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int r = warp + i * NW, c = (lane + 32 * j) * 8;
+                v[i][j] = make_uint4(0, 0, 0, 0);
+                if (r < M && c < K) v[i][j] = *reinterpret_cast<const uint4*>(x + (long long)r * ldx + c);
+            }
+        wait_bytes(&nbar, 0);
+#pragma unroll
+        for (int i = 0; i < RW; ++i) {
+            const int r = warp + i * NW;
+            if (r >= XR) break;
+            float s = 0.f;
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int c = (lane + 32 * j) * 8;
+                if (c >= K) break;
+                const uint4 u = v[i][j];
+                const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) { const float2 f = __bfloat1622float2(h[e]); s += f.x * f.x + f.y * f.y; }
+                *reinterpret_cast<uint4*>(xs + r * XROWB + c * 2) = u;
+            }
+            if (i == 0 && warp == 0)   // x is in (this warp's; the others' loads left with it): the rest of W, before
+                for (int t = PW; t < NST && t < S; ++t) issue(t);   // the norm's math (gate|up, GLU_PREWAIT)
+#pragma unroll
+            for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+            const float rs = rsqrtf(s / K + eps);
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int c = (lane + 32 * j) * 8;
+                if (c >= K) break;
+                uint4* p = reinterpret_cast<uint4*>(xs + r * XROWB + c * 2);
+                uint4 u = *p;
+                __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+                const uint4 w = *reinterpret_cast<const uint4*>(nws + c * 2);
+                const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&w);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float2 f = __bfloat1622float2(h[e]), g = __bfloat1622float2(g2[e]);
+                    h[e] = __floats2bfloat162_rn(g.x * bf(f.x * rs), g.y * bf(f.y * rs));
+                }
+                *p = u;
+            }
+        }
+    }
+#else
     {   // x rows (zero past M), this split's K range: every load issued before any store
         constexpr int NV = XR * (KC / 8), PER = (NV + NW * 32 - 1) / (NW * 32);
         uint4 v[PER];
@@ -135,39 +188,12 @@ decode_gemv(const __nv_bfloat16* W, const __nv_bfloat16* x, int ldx, const __nv_
             if (i < NV) *reinterpret_cast<uint4*>(xs + r * XROWB + c * 2) = v[j];
         }
     }
+#endif
     __syncthreads();
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");   // x is read: the next kernel may launch
+#if !NORM
     if (warp == 0)
         for (int s = PW; s < NST && s < S; ++s) issue(s);
-#if NORM
-    wait_bytes(&nbar, 0);
-    for (int r = warp; r < M; r += NW) {   // rstd = rsqrt(mean(x^2) + eps), float32 as transformers' RMSNorm
-        float s = 0.f;
-        for (int c = lane * 8; c < K; c += 256) {
-            const uint4 v = *reinterpret_cast<const uint4*>(xs + r * XROWB + c * 2);
-            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) { const float2 f = __bfloat1622float2(h[e]); s += f.x * f.x + f.y * f.y; }
-        }
-        for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-        if (lane == 0) rstd[r] = rsqrtf(s / K + eps);
-    }
-    __syncthreads();
-    for (int i = tid; i < M * (K / 8); i += NW * 32) {
-        const int r = i / (K / 8), c = (i % (K / 8)) * 8;
-        uint4* p = reinterpret_cast<uint4*>(xs + r * XROWB + c * 2);
-        uint4 v = *p;
-        const uint4 w = *reinterpret_cast<const uint4*>(nws + c * 2);
-        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-        const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&w);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float2 f = __bfloat1622float2(h[e]), g = __bfloat1622float2(g2[e]);
-            h[e] = __floats2bfloat162_rn(g.x * bf(f.x * rstd[r]), g.y * bf(f.y * rstd[r]));
-        }
-        *p = v;
-    }
-    __syncthreads();
 #endif
     // mma fragments (PTX m16n8k16): lane = 4 g + q holds W rows g, g + 8 at columns 2q, 2q + 1 (+ 8) and x row g
     const int g = lane / 4, q = lane % 4, ut = warp / SPLITW, us = warp % SPLITW;   // this warp's tile, K slice
