@@ -17,11 +17,11 @@ here first bulk-copies its W rows into shared memory, and only then waits (gridd
     split K (long K, few tiles: down_proj): each split stores float32 partial sums, the last to arrive (a counter a
     tile) sums them in split order, so the bits do not depend on the timing.
 
-On an H200 a layer's four GEMMs chained this way take 21.2 us at the 0.5B shape and 8 rows against 33.3 for the
-engine's torch.compile + PDL (38.0 against 52.0 at 1.5B); the same kernels launched without PDL lose. In a decode
-step the gain is smaller, and only at 8 rows: -15% a step at 0.5B, -10% at 1.5B (16 rows are slower), so rollout
-runs them in buckets of <= 8 rows, opt-in (BENCHMARKS, "The weights-first CUDA GEMMs in the engine" and "Inside
-decode_cuda's PDL chain").
+On an H200 a layer's four GEMMs chained this way take 19.9 us at the 0.5B shape and 8 rows against 33.2 for the
+engine's torch.compile + PDL (37.0 against 51.1 at 1.5B); the same kernels launched without PDL lose. In a decode
+step the gain is smaller, and only at 8 rows: -18% a step at 0.5B, -14% at 1.5B (16 rows are no faster), so rollout
+runs them in buckets of <= 8 rows, opt-in (BENCHMARKS, "The weights-first CUDA GEMMs in the engine" to "x and its
+RMSNorm in one pass").
 
 Memory order under PDL: a kernel writes nothing before its wait (which returns once the kernel before has finished
 and flushed), and lets the next kernel launch only after it has read x. Its residual is read in the epilogue, after
