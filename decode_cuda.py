@@ -113,6 +113,7 @@ decode_gemv(const __nv_bfloat16* W, const __nv_bfloat16* x, int ldx, const __nv_
             if (n < N) bulk_copy(dst + r * SROWB, W + (long long)(r < 16 ? n : N + n) * K + k0, KCH * 2, b);
         }
     };
+    auto issue_rest = [&] { for (int s = PW; s < NST && s < S; ++s) issue(s); };   // warp 0, once x is in
     if (warp == 0) {   // what does not depend on the kernel before: the norm's weight and the first PW stages of W
         if (NORM && lane == 0) { expect_bytes(&nbar, K * 2); bulk_copy(nws, norm_w, K * 2, &nbar); }
         for (int s = 0; s < PW && s < S; ++s) issue(s);
@@ -149,8 +150,8 @@ decode_gemv(const __nv_bfloat16* W, const __nv_bfloat16* x, int ldx, const __nv_
                 for (int e = 0; e < 4; ++e) { const float2 f = __bfloat1622float2(h[e]); s += f.x * f.x + f.y * f.y; }
                 *reinterpret_cast<uint4*>(xs + r * XROWB + c * 2) = u;
             }
-            if (i == 0 && warp == 0)   // x is in (this warp's; the others' loads left with it): the rest of W, before
-                for (int t = PW; t < NST && t < S; ++t) issue(t);   // the norm's math (gate|up, GLU_PREWAIT)
+            if (i == 0 && warp == 0)   // x is in (this warp's; the others' loads left with it): the rest of W
+                issue_rest();          // before the norm's math (gate|up, GLU_PREWAIT)
 #pragma unroll
             for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
             const float rs = rsqrtf(s / K + eps);
@@ -192,8 +193,7 @@ decode_gemv(const __nv_bfloat16* W, const __nv_bfloat16* x, int ldx, const __nv_
     __syncthreads();
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");   // x is read: the next kernel may launch
 #if !NORM
-    if (warp == 0)
-        for (int s = PW; s < NST && s < S; ++s) issue(s);
+    if (warp == 0) issue_rest();
 #endif
     // mma fragments (PTX m16n8k16): lane = 4 g + q holds W rows g, g + 8 at columns 2q, 2q + 1 (+ 8) and x row g
     const int g = lane / 4, q = lane % 4, ut = warp / SPLITW, us = warp % SPLITW;   // this warp's tile, K slice
