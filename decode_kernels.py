@@ -34,7 +34,6 @@ NUM_STAGES = None  # its K/V pipeline depth; None: 3 at D = 64, 2 at D = 128 (st
 SPLIT_WAVES = 2  # key splits: enough (slot, K/V head, split) programs to fill the GPU this many times over
 MERGE_IN_SPLIT = False  # the last split of each (slot, K/V head) merges (no merge kernel). Off: on an H200 at 8 rows
 #                        the split kernel then took 23 us against 7 + 1.5 (many splits, one merger; BENCHMARKS)
-PRELOAD_ROWS = 0  # at most this many slots: the split kernel loads its first K/V block before the PDL wait
 PDL = True  # Hopper's programmatic dependent launch for the decode step's kernels: each may be launched while the
 #             kernel before it runs, and waits (griddepcontrol.wait) before it reads anything but W (a W up to
 #             decode_gemm.PREFETCH_BYTES is prefetched into L2 first). These kernels' launches and, where the compiler
@@ -77,20 +76,6 @@ def _wait_for_previous_kernel(USE_GDC: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(k, v, valid, q, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
-    """one block of the online softmax (log2 units): (QPK_PAD, D) queries against (BLOCK_N, D) keys k and values v,
-    valid the block's real columns (at least one); returns the updated running max m_i, sum l_i and output acc"""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (QPK_PAD, BLOCK_N)
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # every block has a valid key, so m_new is finite
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _attend_columns(k_ptr, v_ptr, base, stride_l, j_lo, j_hi, q, m_i, l_i, acc, qk_scale,
                     D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """online softmax of the (QPK_PAD, D) queries over columns [j_lo, j_hi) of one K/V buffer (base + j * stride_l),
@@ -102,7 +87,14 @@ def _attend_columns(k_ptr, v_ptr, base, stride_l, j_lo, j_hi, q, m_i, l_i, acc, 
         ptrs = base + offs_j[:, None] * stride_l + offs_d[None, :]
         k = tl.load(k_ptr + ptrs, mask=valid[:, None], other=0.)  # (BLOCK_N, D)
         v = tl.load(v_ptr + ptrs, mask=valid[:, None], other=0.)
-        m_i, l_i, acc = _attend_block(k, v, valid, q, m_i, l_i, acc, qk_scale, PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (QPK_PAD, BLOCK_N)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # every block has a valid key, so m_new is finite
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
     return m_i, l_i, acc
 
 
@@ -124,7 +116,7 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, cos_ptr, sin_ptr, pk_ptr, pv
                          stride_pb, stride_ph, stride_pl, stride_cn, stride_ch, stride_cl,
                          QPK: tl.constexpr, QPK_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          SPLITS: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr, ROPE: tl.constexpr,
-                         PRELOAD: tl.constexpr, USE_GDC: tl.constexpr):
+                         USE_GDC: tl.constexpr):
     """program (slot, kv head, split): the QPK query heads of one K/V head against one contiguous range [lo, hi) of
     the row's keys, numbered [prompt's real columns | completion columns 0..t]; t = slot_ptr[0] is this step's
     column. ROPE: q and this step's key come unrotated, with the slots' (cos, sin) rows (stride_rn apart). The split
@@ -142,22 +134,8 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, cos_ptr, sin_ptr, pk_ptr, pv
     lo = pid_s * per
     hi = tl.minimum(lo + per, total)
     hi = tl.where(tl.load(done_ptr + pid_n) != 0, lo, hi)  # a finished row attends nothing (output 0)
-    # keys [lo, hi) in the prompt: columns P - n_pre + j of the shared prefix (b, kvh), j < n_pre; then in the
-    # completion: columns j - n_pre of this row's cache
-    offs_d = tl.arange(0, D)
-    p_base = b * stride_pb + pid_h * stride_ph + (P - n_pre) * stride_pl
-    c_off = row * stride_cn + pid_h * stride_ch
-    p_hi, c_lo, c_hi = tl.minimum(hi, n_pre), tl.maximum(lo - n_pre, 0), hi - n_pre
-    in_prompt = lo < p_hi  # the split's first block is the prompt's (else the cache's)
-    if PRELOAD:  # that first block too: no kernel before writes it (this step's column is patched in below)
-        j0 = tl.where(in_prompt, lo, c_lo)
-        offs_j0 = j0 + tl.arange(0, BLOCK_N)
-        valid0 = offs_j0 < tl.where(in_prompt, p_hi, c_hi)
-        ptrs0 = tl.where(in_prompt, p_base, c_off) + offs_j0[:, None] * tl.where(in_prompt, stride_pl, stride_cl) + \
-            offs_d[None, :]
-        k0 = tl.load(tl.where(in_prompt, pk_ptr, ck_ptr) + ptrs0, mask=valid0[:, None], other=0.)  # (BLOCK_N, D)
-        v0 = tl.load(tl.where(in_prompt, pv_ptr, cv_ptr) + ptrs0, mask=valid0[:, None], other=0.)
     _wait_for_previous_kernel(USE_GDC)
+    offs_d = tl.arange(0, D)
     offs_q = tl.arange(0, QPK_PAD)
     heads = pid_h * QPK + offs_q
     q_ok = offs_q < QPK
@@ -167,31 +145,26 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, cos_ptr, sin_ptr, pk_ptr, pv
         cos = tl.load(cos_ptr + pid_n * stride_rn + offs_d).to(tl.float32)  # (D,)
         sin = tl.load(sin_ptr + pid_n * stride_rn + offs_d).to(tl.float32)
         q = _rope(q, q_ptrs, offs_d, cos, sin, q_ok[:, None], D)
-    owner = (hi == total) & (lo < hi)  # this split holds column t: it writes this step's K/V into the cache there
-    mine = offs_d < tl.where(owner, D, 0)  # (D,): all, or none
-    k_ptrs = knew_ptr + pid_n * stride_kn + pid_h * stride_kh + offs_d
-    k_t = tl.load(k_ptrs, mask=mine, other=0.)  # (D,)
-    if ROPE:
-        k_t = _rope(k_t, k_ptrs, offs_d, cos, sin, mine, D)
-    v_t = tl.load(vnew_ptr + pid_n * stride_vn + pid_h * stride_vh + offs_d, mask=mine, other=0.)
-    tl.store(ck_ptr + c_off + t * stride_cl + offs_d, k_t, mask=mine)
-    tl.store(cv_ptr + c_off + t * stride_cl + offs_d, v_t, mask=mine)
-    tl.debug_barrier()  # the block's stores are visible to its own loads after the barrier (read back like any)
+    c_off = row * stride_cn + pid_h * stride_ch
+    if (hi == total) & (lo < hi):  # write this step's K/V into the cache, then read it back like any column
+        k_ptrs = knew_ptr + pid_n * stride_kn + pid_h * stride_kh + offs_d
+        k_t = tl.load(k_ptrs)  # (D,)
+        if ROPE:
+            k_t = _rope(k_t, k_ptrs, offs_d, cos, sin, offs_d < D, D)
+        tl.store(ck_ptr + c_off + t * stride_cl + offs_d, k_t)
+        tl.store(cv_ptr + c_off + t * stride_cl + offs_d, tl.load(vnew_ptr + pid_n * stride_vn + pid_h * stride_vh +
+                                                                  offs_d))
+        tl.debug_barrier()  # the block's stores are visible to its own loads after the barrier
     m_i = tl.full([QPK_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([QPK_PAD], tl.float32)
     acc = tl.zeros([QPK_PAD, D], tl.float32)
-    if PRELOAD:  # the preloaded block first (the same order, so the same bits), then the rest from the buffers
-        if lo < hi:
-            is_t = ((offs_j0 == t) & ~in_prompt)[:, None]
-            k0 = tl.where(is_t, k_t[None, :], k0)
-            v0 = tl.where(is_t, v_t[None, :], v0)
-            m_i, l_i, acc = _attend_block(k0, v0, valid0, q, m_i, l_i, acc, qk_scale, PRECISION)
-        lo = tl.where(in_prompt, lo + BLOCK_N, lo)
-        c_lo = tl.where(in_prompt, c_lo, c_lo + BLOCK_N)
-    m_i, l_i, acc = _attend_columns(pk_ptr, pv_ptr, p_base, stride_pl, lo, p_hi, q, m_i, l_i, acc, qk_scale, D,
-                                    BLOCK_N, PRECISION)
-    m_i, l_i, acc = _attend_columns(ck_ptr, cv_ptr, c_off, stride_cl, c_lo, c_hi, q, m_i, l_i, acc, qk_scale, D,
-                                    BLOCK_N, PRECISION)
+    # keys [lo, hi) in the prompt: columns P - n_pre + j of the shared prefix (b, kvh); then in the completion:
+    # columns j - n_pre of this row's cache
+    p_base = b * stride_pb + pid_h * stride_ph + (P - n_pre) * stride_pl
+    m_i, l_i, acc = _attend_columns(pk_ptr, pv_ptr, p_base, stride_pl, lo, tl.minimum(hi, n_pre), q, m_i, l_i, acc,
+                                    qk_scale, D, BLOCK_N, PRECISION)
+    m_i, l_i, acc = _attend_columns(ck_ptr, cv_ptr, c_off, stride_cl, tl.maximum(lo - n_pre, 0), hi - n_pre, q, m_i,
+                                    l_i, acc, qk_scale, D, BLOCK_N, PRECISION)
     l_safe = tl.where(l_i > 0, l_i, 1.)
     nh = pid_n * (QPK * tl.num_programs(1)) + heads  # flat (slot, head)
     if SPLITS == 1:  # the only split: write the output itself, (n, 1, h, D)
@@ -272,7 +245,6 @@ def decode_attention_triton(q, k_new, v_new, layer, st, scale, cos=None, sin=Non
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0) if rope else 0,
         pk.stride(0), pk.stride(1), pk.stride(2), ck.stride(0), ck.stride(1), ck.stride(2),
         QPK=QPK, QPK_PAD=max(16, triton.next_power_of_2(QPK)), D=D, BLOCK_N=BLOCK_N, SPLITS=S, MERGE=merge,
-        PRELOAD=n <= PRELOAD_ROWS,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # an fp32 model gets fp32 attention, not TF32
         ROPE=rope, num_warps=NUM_WARPS, num_stages=stage_count(D), **pdl_launch(q.device))
     if S > 1 and not merge:
