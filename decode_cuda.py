@@ -17,11 +17,11 @@ here first bulk-copies its W rows into shared memory, and only then waits (gridd
     split K (long K, few tiles: down_proj): each split stores float32 partial sums, the last to arrive (a counter a
     tile) sums them in split order, so the bits do not depend on the timing.
 
-On an H200 a layer's four GEMMs chained this way take 19.9 us at the 0.5B shape and 8 rows against 33.2 for the
-engine's torch.compile + PDL (37.0 against 51.1 at 1.5B); the same kernels launched without PDL lose. In a decode
-step the gain is smaller, and only at 8 rows: -18% a step at 0.5B, -14% at 1.5B (16 rows are no faster), so rollout
-runs them in buckets of <= 8 rows, opt-in (BENCHMARKS, "The weights-first CUDA GEMMs in the engine" to "x and its
-RMSNorm in one pass").
+On an H200 a layer's four GEMMs chained this way take 19.2 us at the 0.5B shape and 8 rows against 33.2 for the
+engine's torch.compile + PDL (36.7 against 51.1 at 1.5B); the same kernels launched without PDL lose. In a decode
+step the gain is smaller, and only at 8 rows: -22% a step at 0.5B, -14% at 1.5B (16 rows are no faster), so rollout
+runs them in buckets of <= 8 rows, opt-in (BENCHMARKS, "The weights-first CUDA GEMMs in the engine" to "The attention
+in a small step").
 
 Memory order under PDL: a kernel writes nothing before its wait (which returns once the kernel before has finished
 and flushed), and lets the next kernel launch only after it has read x. Its residual is read in the epilogue, after
@@ -113,7 +113,8 @@ decode_gemv(const __nv_bfloat16* W, const __nv_bfloat16* x, int ldx, const __nv_
             if (n < N) bulk_copy(dst + r * SROWB, W + (long long)(r < 16 ? n : N + n) * K + k0, KCH * 2, b);
         }
     };
-    auto issue_rest = [&] { for (int s = PW; s < NST && s < S; ++s) issue(s); };   // warp 0, once x is in
+    // the rest of the first NST stages, once x is in: a stage a warp (warp 0 alone took ~1.3 us at 0.5B, BENCHMARKS)
+    auto issue_rest = [&] { for (int s = PW + warp; s < NST && s < S; s += NW) issue(s); };
     if (warp == 0) {   // what does not depend on the kernel before: the norm's weight and the first PW stages of W
         if (NORM && lane == 0) { expect_bytes(&nbar, K * 2); bulk_copy(nws, norm_w, K * 2, &nbar); }
         for (int s = 0; s < PW && s < S; ++s) issue(s);
@@ -150,8 +151,8 @@ decode_gemv(const __nv_bfloat16* W, const __nv_bfloat16* x, int ldx, const __nv_
                 for (int e = 0; e < 4; ++e) { const float2 f = __bfloat1622float2(h[e]); s += f.x * f.x + f.y * f.y; }
                 *reinterpret_cast<uint4*>(xs + r * XROWB + c * 2) = u;
             }
-            if (i == 0 && warp == 0)   // x is in (this warp's; the others' loads left with it): the rest of W
-                issue_rest();          // before the norm's math (gate|up, GLU_PREWAIT)
+            if (i == 0)        // x is in (this warp's row; the other rows' loads left with it): the rest of W
+                issue_rest();  // before the norm's math (gate|up, GLU_PREWAIT)
 #pragma unroll
             for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
             const float rs = rsqrtf(s / K + eps);
@@ -193,7 +194,7 @@ decode_gemv(const __nv_bfloat16* W, const __nv_bfloat16* x, int ldx, const __nv_
     __syncthreads();
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");   // x is read: the next kernel may launch
 #if !NORM
-    if (warp == 0) issue_rest();
+    issue_rest();
 #endif
     // mma fragments (PTX m16n8k16): lane = 4 g + q holds W rows g, g + 8 at columns 2q, 2q + 1 (+ 8) and x row g
     const int g = lane / 4, q = lane % 4, ut = warp / SPLITW, us = warp % SPLITW;   // this warp's tile, K slice
