@@ -78,8 +78,8 @@ TRITON_GEMM_MAX_ROWS = 16  # H200, both with PDL, one process: with decode_linea
 #                            at 16 / 8 rows against 1.75 / 1.69; at 0.5B 1.06 / 1.02 against 1.05 / 1.02, and at
 #                            32 rows 1.54 against 1.12 (BENCHMARKS, "The triton GEMMs under PDL")
 CUDA_GEMM_MAX_ROWS = 8  # (decode_cuda.MAX_ROWS = 16 at most) H200, a step with all four GEMMs in CUDA against the
-#                          default: 8 rows -18% at 0.5B, -14% at 1.5B; 16 rows +1% and +14% (BENCHMARKS, "x and its
-#                          RMSNorm in one pass")
+#                          default: 8 rows -22% at 0.5B, -14% at 1.5B; 16 rows +1% and +14% (BENCHMARKS, "x and its
+#                          RMSNorm in one pass", "The attention in a small step")
 CUDA_GEMMS = ("qkv", "o", "gate_up", "down")  # which of a layer's GEMMs run decode_cuda's kernels (the rest cuBLAS)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose inv_freq never changes (not dynamic NTK)
 LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl, decode path (tests, benchmarks)
