@@ -39,22 +39,20 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 
 @torch.no_grad()
 def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature, top_p, eos_token_id,
-            pad_token_id):
+            pad_token_id, compile=True):
     """sample group_size completions per prompt; the returned dict is the generation buffer. eos_token_id: an int or
     a list (every id that ends a completion). sampler_logp: each token's log-prob as the sampler computed it (its
-    decode kernels, not the training forward's); decode: the path that sampled it (rollout.LAST["path"], and
-    "+triton" or "+cuda" when a bucket's GEMMs were decode_gemm's or decode_cuda's)"""
+    decode kernels, not the training forward's); decode: the path that sampled it (rollout.LAST["path"])"""
     completion_ids, completion_mask, sampler_logp = generate_groups(
         model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature=temperature, top_p=top_p,
-        eos_token_id=eos_token_id, pad_token_id=pad_token_id, return_logprobs=True)  # (B*G, C) each
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, return_logprobs=True, compile=compile)  # (B*G, C) each
     completion_mask = completion_mask.long()
     # a completion is truncated when it filled max_completion_len without emitting EOS
     has_eos = (torch.isin(completion_ids, eos_tensor(eos_token_id, completion_ids.device))
                & (completion_mask == 1)).any(1)  # (B*G,)
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(), completion_ids=completion_ids,
                 completion_mask=completion_mask, truncated=~has_eos, group_size=group_size, sampler_logp=sampler_logp,
-                decode=LAST["path"] + (f"+{LAST['gemm']}" if LAST.get("gemm") in ("triton", "cuda") and
-                                       LAST["gemm"] in LAST.get("gemms", ()) else ""))
+                decode=LAST["path"])
 
 
 def select_groups(buf, idx):

@@ -5,20 +5,17 @@ GPU before a change to rollout, batching, kv_reuse or grpo lands, and put its ta
 
     python bench_e2e.py                  # every cell: one row each (ok/error, gen s, update s, peak GiB, decode path)
     python bench_e2e.py qwen3 gc         # only the cells whose name contains every word given
-    python bench_e2e.py repro -COMPILE   # "-word": and not this one
+    python bench_e2e.py repro -compile   # "-word": and not this one
     python bench_e2e.py --list           # the cells and their flags
     python bench_e2e.py --model qwen2.5-7b DIR   # just build a random-weight model directory (bench_fsdp.sh 7b)
 
 Each cell is a fresh process (torchrun for the 2-GPU cells, skipped with fewer GPUs): `python bench_e2e.py --run-cell
-[rollout.GLOBAL=value ...] --key=value ...` is grpo.train with those rollout (decode_kernels, decode_gemm) globals set
-and, unless BENCH_SAVE=1, no checkpoint written (a cell measures steps; the CPU suite checks the checkpoints). gen and
-update are the last step's seconds (step 1 also compiles), gnorm its gradient norm (a reward with spread:
-digit_share); "decode" is the path the last step's rollout took: compiled (torch.compile + CUDA graphs) | graph (CUDA
-graphs, eager forward: under COMPILE_MIN_TOKENS) | fallback (torch.compile failed on the model: graphs, uncompiled) |
-eager | generate (model.generate), "+triton" with decode_gemm's GEMMs (the triton-decode cells: DECODE_GEMM and the
-merge in the last split, opt-in: 3% faster at the 1.5B shape in buckets of <= 16 rows only; these cells'
-64-row bucket runs cuBLAS on the folded weights), "+cuda" with decode_cuda's (the cuda-decode cells: 1 prompt x 8,
-so that their 8-row bucket runs them). Logs of every cell go to BENCH_DIR (/tmp/nanogrpo_e2e).
+--key=value ...` is grpo.train with those flags and, unless BENCH_SAVE=1, no checkpoint written (a cell measures steps;
+the CPU suite checks the checkpoints). gen and update are the last step's seconds (step 1 also compiles), gnorm its
+gradient norm (a reward with spread: digit_share); "decode" is the path the last step's rollout took: compiled
+(torch.compile + CUDA graphs) | graph (CUDA graphs, eager forward: under rollout.COMPILE_MIN_TOKENS or --compile=False)
+| fallback (torch.compile failed on the model: graphs, uncompiled) | eager | generate (model.generate). Logs of every
+cell go to BENCH_DIR (/tmp/nanogrpo_e2e).
 
 The families keep what makes them differ (Qwen2.5: GQA 6, q/k/v bias, tied; Llama-3.2: head_dim 64, GQA 4, llama3
 RoPE scaling; Qwen3: q/k RMSNorm, head_dim 128) at their real widths and vocabularies, with 4 layers (the "/4L"
@@ -94,7 +91,7 @@ def make_model_dir(family, path, layers=None):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the cells: name -> (model (family/layers), grpo flags, rollout globals, processes)
+# the cells: name -> (model (family/layers), grpo flags, processes)
 # ---------------------------------------------------------------------------------------------------------------
 BASE = ["--prompts_per_step=8", "--group_size=8", "--max_steps=3", "--max_minutes=0", "--eval_every=0",
         "--eval_size=8", "--eval_samples=0", "--max_prompt_len=512", "--temperature=1.0", "--lr=1e-6",
@@ -114,7 +111,8 @@ FEATURES = {  # each on the Qwen2.5 4-layer model, 1024 tokens (the compiled dec
     "beta": ["--beta=0.04"], "spg2": ["--steps_per_generation=2", "--num_iterations=2"],
     "dynamic": ["--dynamic_sampling=True", "--max_sampling_tries=2", "--reward="],  # task reward: all groups flat
     "gspo": ["--importance_sampling_level=sequence"],
-    "entropy": ["--top_entropy_quantile=0.2"], "no-kv-reuse": ["--kv_reuse=False"], "naive": ["--logprob_impl=naive"],
+    "entropy": ["--top_entropy_quantile=0.2"], "no-kv-reuse": ["--kv_reuse=False"],
+    "naive": ["--logprob_impl=naive", "--micro_batch_tokens=8192"],  # (its fp32 logits: 32768 tokens need 77 GiB)
     "chunked": ["--logprob_impl=chunked"], "is-correction": ["--vllm_importance_sampling_correction=True"],
     "fp32": ["--dtype=float32"], "cispo": ["--loss_type=cispo", "--epsilon_high=5.0"],
     "deterministic": ["--deterministic=True"],
@@ -125,38 +123,20 @@ for fam in FAMILIES:
     for T in (64, 1024):
         for gc in (False, True):
             CELLS[f"{fam}/4L T={T}{' gc' if gc else ''}"] = (
-                f"{fam}/4", [f"--max_completion_len={T}", f"--gradient_checkpointing={gc}"], [], 1)
+                f"{fam}/4", [f"--max_completion_len={T}", f"--gradient_checkpointing={gc}"], 1)
 for feat, flags in FEATURES.items():
     CELLS[f"qwen2.5-1.5b/4L T=1024 gc {feat}"] = (
-        "qwen2.5-1.5b/4", ["--max_completion_len=1024", "--gradient_checkpointing=True"] + flags, [], 1)
+        "qwen2.5-1.5b/4", ["--max_completion_len=1024", "--gradient_checkpointing=True"] + flags, 1)
 REPRO = ["--prompts_per_step=16", "--group_size=8", "--max_completion_len=1024", "--gradient_checkpointing=True"]
-CELLS["repro qwen2.5-1.5b T=1024 gc"] = ("qwen2.5-1.5b", REPRO, [], 1)  # issue 19's crash at step 0
-CELLS["repro qwen2.5-1.5b T=1024 gc COMPILE=False"] = ("qwen2.5-1.5b", REPRO, ["rollout.COMPILE=False"], 1)
-TRITON_DECODE = ["rollout.DECODE_GEMM='triton'", "decode_kernels.MERGE_IN_SPLIT=True"]
-for fam in FAMILIES:  # the opt-in decode kernels (issue 20), end to end on each layer shape, and with LoRA folded
-    CELLS[f"{fam}/4L T=1024 gc triton-decode"] = (
-        f"{fam}/4", ["--max_completion_len=1024", "--gradient_checkpointing=True"], TRITON_DECODE, 1)
-CELLS["qwen2.5-1.5b/4L T=1024 gc lora triton-decode"] = (
-    "qwen2.5-1.5b/4", ["--max_completion_len=1024", "--gradient_checkpointing=True", "--lora_r=16"], TRITON_DECODE, 1)
-CELLS["repro qwen2.5-1.5b T=1024 gc triton-decode"] = ("qwen2.5-1.5b", REPRO, TRITON_DECODE, 1)
-CUDA_DECODE = ["rollout.DECODE_GEMM='cuda'"]  # decode_cuda's GEMMs: buckets of <= 8 rows, so 1 prompt x 8
-for fam in FAMILIES:
-    CELLS[f"{fam}/4L T=1024 gc cuda-decode"] = (
-        f"{fam}/4", ["--max_completion_len=1024", "--gradient_checkpointing=True", "--prompts_per_step=1"],
-        CUDA_DECODE, 1)
-CELLS["qwen2.5-1.5b/4L T=1024 gc lora cuda-decode"] = (
-    "qwen2.5-1.5b/4", ["--max_completion_len=1024", "--gradient_checkpointing=True", "--prompts_per_step=1",
-                       "--lora_r=16"], CUDA_DECODE, 1)
-CELLS["repro qwen2.5-1.5b T=1024 gc cuda-decode 1x8"] = (
-    "qwen2.5-1.5b", ["--prompts_per_step=1"] + [f for f in REPRO if not f.startswith("--prompts_per_step=")],
-    CUDA_DECODE, 1)
+CELLS["repro qwen2.5-1.5b T=1024 gc"] = ("qwen2.5-1.5b", REPRO, 1)  # issue 19's crash at step 0
+CELLS["repro qwen2.5-1.5b T=1024 gc compile=False"] = ("qwen2.5-1.5b", REPRO + ["--compile=False"], 1)
 for fsdp in (True, False):  # the same global batch over 2 processes
     CELLS[f"torchrun 2 qwen2.5-1.5b/4L T=1024 gc fsdp={fsdp}"] = (
-        "qwen2.5-1.5b/4", ["--max_completion_len=1024", "--gradient_checkpointing=True", f"--fsdp={fsdp}"], [], 2)
-    CELLS[f"torchrun 2 repro qwen2.5-1.5b fsdp={fsdp}"] = ("qwen2.5-1.5b", REPRO + [f"--fsdp={fsdp}"], [], 2)
+        "qwen2.5-1.5b/4", ["--max_completion_len=1024", "--gradient_checkpointing=True", f"--fsdp={fsdp}"], 2)
+    CELLS[f"torchrun 2 repro qwen2.5-1.5b fsdp={fsdp}"] = ("qwen2.5-1.5b", REPRO + [f"--fsdp={fsdp}"], 2)
 CELLS["torchrun 2 repro qwen2.5-1.5b fsdp=True weak"] = (  # twice the batch on 2 GPUs: weak scaling against repro
     "qwen2.5-1.5b", ["--prompts_per_step=32"] + [f for f in REPRO if not f.startswith("--prompts_per_step=")]
-    + ["--fsdp=True"], [], 2)
+    + ["--fsdp=True"], 2)
 
 
 def cell_command(nproc, args):
@@ -167,7 +147,7 @@ def cell_command(nproc, args):
     return launch + [os.path.abspath(__file__), "--run-cell"] + args
 
 
-def run_cell(name, model, flags, sets, nproc):
+def run_cell(name, model, flags, nproc):
     """one cell in a fresh process; returns its table row (dict)"""
     family, _, layers = model.partition("/")
     model_dir = make_model_dir(family, os.path.join(BENCH_DIR, "models", model.replace("/", "_")),
@@ -175,7 +155,7 @@ def run_cell(name, model, flags, sets, nproc):
     slug = "".join(c if c.isalnum() else "_" for c in name)
     out_dir, log = os.path.join(BENCH_DIR, "out", slug), os.path.join(BENCH_DIR, "logs", slug + ".txt")
     os.makedirs(os.path.dirname(log), exist_ok=True)
-    cmd = cell_command(nproc, sets + BASE + flags + [f"--model={model_dir}", f"--out_dir={out_dir}",
+    cmd = cell_command(nproc, BASE + flags + [f"--model={model_dir}", f"--out_dir={out_dir}",
                                                      "--overwrite=True"])
     t0 = time.time()
     with open(log, "w") as f:
@@ -219,8 +199,8 @@ def main(args):
     words = [a for a in args if not a.startswith("--")]  # "-word": not the cells whose name contains it
     cells = {k: v for k, v in CELLS.items() if all((w[1:] not in k) if w.startswith("-") else (w in k) for w in words)}
     if "--list" in args:
-        for k, (model, flags, sets, nproc) in cells.items():
-            print(f"{k:<48} {model:<16} nproc={nproc} {' '.join(sets + flags)}")
+        for k, (model, flags, nproc) in cells.items():
+            print(f"{k:<48} {model:<16} nproc={nproc} {' '.join(flags)}")
         return
     gpus = torch.cuda.device_count()
     print(f"GPU: {torch.cuda.get_device_name() if gpus else 'none'} x{gpus}, torch {torch.__version__}, "
@@ -229,11 +209,11 @@ def main(args):
     print(f"| {'cell':<48} {'':<5} {'gen s':>6} {'gen1 s':>7} {'upd s':>7} {'GiB':>6} {'len':>5} {'gnorm':>7}  "
           f"{'decode':<16} wall")
     rows = []
-    for name, (model, flags, sets, nproc) in cells.items():
+    for name, (model, flags, nproc) in cells.items():
         if nproc > max(gpus, 1) or (nproc > 1 and not gpus):
             row = dict(cell=name, ok=False, skipped=True, wall=0, why=f"needs {nproc} GPUs, {gpus} here")
         else:
-            row = run_cell(name, model, flags, sets, nproc)
+            row = run_cell(name, model, flags, nproc)
         print_row(row)
         rows.append(row)
     ran = [r for r in rows if not r.get("skipped")]
@@ -245,13 +225,10 @@ def main(args):
 
 
 def run(args):
-    """--run-cell: grpo.train(args) in this process with the globals given as rollout.NAME=value (or decode_kernels.,
-    decode_gemm.) set first (bench_rollout.set_globals)"""
+    """--run-cell: grpo.train(args) in this process"""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import checkpoint
     import grpo
-    from bench_rollout import set_globals
-    args = set_globals(args)
     if os.environ.get("BENCH_SAVE") != "1":  # grpo calls checkpoint.save_checkpoint
         checkpoint.save_checkpoint = lambda *args, **kwargs: None
     grpo.train(args)

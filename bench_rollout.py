@@ -4,13 +4,9 @@ CPU: a smoke run on a tiny model):
 
     python bench_rollout.py [WORKLOAD ...] [--no-hf]   # uniform, ragged, uniform-1.5B, trainer; --no-hf: ours only
     python bench_rollout.py rows [0.5B] [1.5B] [ROWS]  # ms per decode step at 128..8 (or ROWS) live rows vs roofline
-    python bench_rollout.py gemms [sweep]              # each decode GEMM alone: cuBLAS, decode_linear (+ its tiles)
-    python bench_rollout.py attention [sweep]          # the decode attention alone at long contexts (+ its tiles)
+    python bench_rollout.py attention                  # the decode attention alone at long contexts
     python bench_rollout.py profile [1.5B]             # one decode step, kernel by kernel (torch.profiler)
     python bench_rollout.py lora [MODEL_DIR]           # decode tok/s with LoRA adapters folded in vs without
-
-Any of them takes module.GLOBAL=value arguments first set on rollout, decode_kernels or decode_gemm (an A/B of a knob:
-`python bench_rollout.py rows rollout.DECODE_GEMM="'triton'"`).
 
 The roofline of a workload is the sum over its decode steps of (weight bytes + live K/V bytes) / bandwidth
 (decode_bytes); frac = measured tok/s / roofline tok/s. model.generate is timed beside it for the x HF column.
@@ -21,9 +17,7 @@ import sys
 import torch
 import triton
 
-import decode_gemm
-import decode_kernels  # noqa: F401 (set_globals sets its knobs)
-import rollout
+import decode_kernels as dk
 from kv_reuse import sync
 from rollout import LAST, generate_groups
 
@@ -133,7 +127,7 @@ def bench_hf(model, prompt_ids, G, T, eos):
 def main(names):
     import json
     import transformers
-    hf_too = "--no-hf" not in names  # --no-hf: ours only (an A/B of our knobs needs no model.generate row)
+    hf_too = "--no-hf" not in names  # --no-hf: ours only
     names = [n for n in names if n != "--no-hf"] or list(WORKLOADS)
     dev_name = torch.cuda.get_device_name() if CUDA else "cpu"
     copy_bw = copy_bandwidth()
@@ -199,8 +193,7 @@ def bench_rows(shapes=("0.5B", "1.5B"), row_counts=(128, 64, 32, 16, 8), P=64, T
     shapes = shapes if CUDA else ("tiny",)
     T = T if CUDA else 48
     print(f"decode step by live rows on {torch.cuda.get_device_name() if CUDA else 'cpu'}: P={P}, {T} new tokens, no "
-          f"EOS; roofline = (weights + live K/V) / {bw / 1e12:.2f} TB/s; GEMMs {rollout.DECODE_GEMM}, attention "
-          f"{rollout.ATTENTION}, compile {rollout.COMPILE}")
+          f"EOS; roofline = (weights + live K/V) / {bw / 1e12:.2f} TB/s")
     print(f"{'model':>5} {'rows':>5} | {'ms/step':>8} {'roof ms':>8} {'frac':>5} | {'tok/s':>8}  path")
     for shape in shapes:
         model = bench_model(shape)
@@ -213,105 +206,27 @@ def bench_rows(shapes=("0.5B", "1.5B"), row_counts=(128, 64, 32, 16, 8), P=64, T
             roof = decode_bytes(model, torch.ones_like(prompt_ids), keep, G) / bw / steps * 1e3
             ms = dt / steps * 1e3
             print(f"{shape:>5} {n:>5} | {ms:>8.3f} {roof:>8.3f} {roof / ms:>5.2f} | {keep.sum() / dt:>8.0f}  "
-                  f"{last.get('path')} gemm={last.get('gemm')}", flush=True)
+                  f"{last.get('path')}", flush=True)
         del model
         sync()
 
 
-def bench_gemms(sweep=False):
-    """`python bench_rollout.py gemms [sweep]`: each decode GEMM of a layer alone at M = 128, 32 and 8 rows, against
-    the time its bytes take at the datasheet bandwidth: cuBLAS's plain x @ W^T, and decode_gemm.decode_linear
-    with the layer's work folded in (RMSNorm before q|k|v and gate|up, RoPE after q|k|v, SiLU(gate)*up after
-    gate|up, the residual after o and down) on linear_config's tiles, and its largest error against
-    decode_linear_torch relative to the output's largest value (bf16 rounding: ~1e-2 and below); sweep: also a
-    grid of (BLOCK_N, split, stages, warps), the best printed (the tuple to put into linear_config). Timed from a
-    CUDA graph, as the decode step runs. cuBLAS's gap to the bytes is a per-kernel floor that barely moves with M,
-    so the few-row steps of a ragged rollout's tail are further from their roofline than full steps are."""
-    import time
-    import itertools
-    from triton.testing import do_bench_cudagraph
-
-    def us(fn):  # (the CPU smoke run times 3 calls)
-        if CUDA:  # replayed from a CUDA graph, as the decode step runs: a launch's host cost is not the GPU's time
-            return do_bench_cudagraph(fn, rep=20) * 1e3
-        t = time.perf_counter()
-        for _ in range(3):
-            fn()
-        return (time.perf_counter() - t) / 3 * 1e6
-    bw = spec_bandwidth() or copy_bandwidth() or math.nan  # (the CPU has no HBM figure: times only)
-    dt = torch.bfloat16 if CUDA else torch.float32
-    print(f"decode GEMMs alone; bytes = (W + x + y [+ residual]) / {bw / 1e12:.2f} TB/s; frac = bytes' time / time")
-    print(f"{'model':>5} {'M':>4} {'gemm':>8} {'N x K':>12} | {'bytes us':>8} | {'cuBLAS us':>9} {'frac':>5} | "
-          f"{'triton us':>9} {'frac':>5} {'tiles':>25} {'rel err':>7}"
-          + (f" | {'best us':>7} {'frac':>5} {'best tiles':>25}" if sweep else ""))
-    for shape in ["1.5B", "0.5B"] if CUDA else ["tiny"]:
-        c = SHAPES[shape]
-        h, I, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-        D = h // c["num_attention_heads"]
-        nq, nk = c["num_attention_heads"], c["num_key_value_heads"]
-        gemms = {"q|k|v": ((nq + 2 * nk) * D, h, dict(norm=True, rope=True)), "o": (h, h, dict(residual=True)),
-                 "gate|up": (2 * I, h, dict(norm=True, glu=True)), "down": (h, I, dict(residual=True)),
-                 "lm_head": (V, h, None)}
-        for M in (128, 32, 8):
-            for name, (N, K, kind) in gemms.items():
-                w, x = torch.randn(N, K, device=DEV, dtype=dt) / K ** 0.5, torch.randn(M, K, device=DEV, dtype=dt)
-                # a step's 28 layers each read their own W from HBM: the timed calls cycle through copies of W that
-                # together overflow the L2 cache (50 MB), so no call finds its W there
-                copies = itertools.cycle([w] + [w.clone() for _ in range(min(31, 2**28 // w.nbytes)
-                                                                          if CUDA else 0)])
-                t = us(lambda: x @ next(copies).T)
-                ideal = (N * K + M * K + M * N) * x.element_size() / bw * 1e6
-                line = f"{shape:>5} {M:>4} {name:>8} {f'{N}x{K}':>12} | {ideal:>8.1f} | {t:>9.1f} {ideal / t:>5.2f} |"
-                if kind is not None:
-                    glu, pair = kind.get("glu", False), kind.get("glu", False) or kind.get("rope", False)
-                    g = torch.ones(K, device=DEV, dtype=dt) if kind.get("norm") else None
-                    res = torch.randn(M, N, device=DEV, dtype=dt) if kind.get("residual") else None
-                    rope = (torch.arange(M, device=DEV), 1e6 ** -(torch.arange(0, D, 2, device=DEV) / D), 1.0, nq, nk,
-                            None, 1e-6) if kind.get("rope") else None  # (no q/k norms: BLOCK_N may split a half)
-                    eps = None if g is None else 1e-6  # (g = 1: W with it folded in is W)
-                    run = lambda cfg, w=w: decode_gemm.decode_linear_triton(x, w, None, eps, res, glu, rope,  # noqa
-                                                                               config=cfg)
-                    n_out, bn = N // (2 if glu else 1), min(D // 2, decode_gemm.ROPE_BLOCK_N) if rope else None
-                    cfg = decode_gemm.linear_config(M, n_out, K, pair, x.device, bn, rope and N // (2 * bn))
-                    tt = us(lambda: run(cfg, next(copies)))
-                    ref = decode_gemm.decode_linear_torch(x, w, None, g, res, 1e-6, glu, rope).float()
-                    err = ((run(cfg).float() - ref).abs().max() / ref.abs().max()).item()  # the GPU's check
-                    line += f" {tt:>9.1f} {ideal / tt:>5.2f} {str(cfg):>25} {err:>7.1e}"
-                    if sweep and CUDA:
-                        best = (tt, cfg)
-                        BM, BK = cfg[0], cfg[2]
-                        for BN, split, stages, warps in itertools.product(
-                                (16, 32, D // 2) if rope else (32, 64, 128),
-                                (1, 2, 4, 8) if N <= 4 * h else (1, 2),  # (gate|up: enough tiles without a split)
-                                (2, 4), (4, 8) if BM >= 64 else (4,)):
-                            if (BM + BN * (2 if pair else 1)) * BK * 2 * stages > 220 * 1024 or \
-                                    triton.cdiv(K, BK) < 2 * split:  # (shared memory; >= 2 K steps a split)
-                                continue
-                            trial = (BM, BN, BK, split, stages, warps)
-                            best = min(best, (us(lambda: run(trial, next(copies))), trial))
-                        line += f" | {best[0]:>7.1f} {ideal / best[0]:>5.2f} {str(best[1]):>25}"
-                print(line, flush=True)
-
-
-def bench_attention(sweep=False, P=512):
-    """`python bench_rollout.py attention [sweep]`: the decode attention alone (the split kernel with RoPE and the
+def bench_attention(P=512):
+    """`python bench_rollout.py attention`: the decode attention alone (the split kernel with RoPE and the
     merge, one layer of the uniform workloads: groups of 16 rows sharing a P-token prompt) at 128 and 8 live rows
     and a context of t written columns, against the time its bytes take: each row's own t columns and each group's
     prompt once (K and V), at the datasheet bandwidth. Long completions make this most of a step: at the 1.5B
     shape, 128 rows and t = 2048, a layer's K/V are ~270 MB against 110 MB of weights. Timed from a CUDA graph over
-    copies of the caches that overflow L2, as a step's layers do; sweep: also (BLOCK_N, stages, warps, split
-    waves), the best printed."""
+    copies of the caches that overflow L2, as a step's layers do."""
     import itertools
     from types import SimpleNamespace
     from triton.testing import do_bench_cudagraph
-    dk = decode_kernels
     bw = spec_bandwidth() or copy_bandwidth() or math.nan
     dt = torch.bfloat16 if CUDA else torch.float32
     print(f"decode attention alone, P={P}; bytes = (own columns + prompt once a group) K/V / {bw / 1e12:.2f} TB/s; "
           f"now: BLOCK_N {dk.BLOCK_N}, warps {dk.NUM_WARPS}, split waves {dk.SPLIT_WAVES}")
-    best_hdr = f" | {'best us':>7} {'frac':>5} {'best (BLOCK_N, stages, warps, waves)':>36}" if sweep else ""
     print(f"{'model':>5} {'rows':>4} {'t':>5} {'splits':>6} {'stages':>6} | {'MB':>6} {'bytes us':>8} | {'us':>7} "
-          f"{'frac':>5} | {'err':>7}{best_hdr}")
+          f"{'frac':>5} | {'err':>7}")
     for shape in ("0.5B", "1.5B") if CUDA else ("tiny",):
         c = SHAPES[shape]
         h, kvh = c["num_attention_heads"], c["num_key_value_heads"]
@@ -339,21 +254,10 @@ def bench_attention(sweep=False, P=512):
                                             D ** -0.5).float()
             out = run().float()  # (layers[0]: the cycle starts there)
             err = ((out - ref).abs().max() / ref.abs().max()).item()
-            us = lambda: do_bench_cudagraph(run, rep=30) * 1e3 if CUDA else math.nan  # noqa
             ideal = per_layer / bw * 1e6
-            tt = us()
+            tt = do_bench_cudagraph(run, rep=30) * 1e3 if CUDA else math.nan
             line = (f"{shape:>5} {n:>4} {t:>5} {dk.num_splits(n, kvh, q.device):>6} {dk.stage_count(D):>6} | "
                     f"{per_layer / 1e6:>6.1f} {ideal:>8.1f} | {tt:>7.1f} {ideal / tt:>5.2f} | {err:>7.1e}")
-            if sweep and CUDA:
-                now = (dk.BLOCK_N, dk.NUM_STAGES, dk.NUM_WARPS, dk.SPLIT_WAVES)
-                best = (tt, now)
-                for trial in itertools.product((32, 64, 128), (2, 3, 4), (4, 8), (1, 2, 4, 8)):
-                    if trial[0] * D * 2 * 2 * trial[1] > 200 * 1024:
-                        continue
-                    dk.BLOCK_N, dk.NUM_STAGES, dk.NUM_WARPS, dk.SPLIT_WAVES = trial
-                    best = min(best, (us(), trial))
-                dk.BLOCK_N, dk.NUM_STAGES, dk.NUM_WARPS, dk.SPLIT_WAVES = now
-                line += f" | {best[0]:>7.1f} {ideal / best[0]:>5.2f} {str(best[1]):>36}"
             print(line, flush=True)
             del layers
             sync()
@@ -440,27 +344,10 @@ def bench_lora(path=None, r=16, B=8, G=8, P=64, T=1024):
     print(f"LoRA / base decode tok/s = {rate['lora'] / rate['base']:.3f}")
 
 
-def set_globals(args):
-    """module.GLOBAL=value arguments (rollout, decode_kernels, decode_gemm or decode_cuda) set, the rest returned"""
-    import ast
-    rest = []
-    for a in args:
-        mod, _, key = a.partition("=")[0].partition(".")
-        if mod in ("rollout", "decode_kernels", "decode_gemm", "decode_cuda") and "=" in a:
-            assert hasattr(sys.modules[mod], key), f"{mod} has no global {key}"
-            setattr(sys.modules[mod], key, ast.literal_eval(a.partition("=")[2]))
-            print(f"{mod}.{key} = {getattr(sys.modules[mod], key)!r}")
-        else:
-            rest.append(a)
-    return rest
-
-
 if __name__ == "__main__":
-    argv = set_globals(sys.argv[1:])
-    if argv[:1] == ["gemms"]:
-        bench_gemms(sweep="sweep" in argv)
-    elif argv[:1] == ["attention"]:
-        bench_attention(sweep="sweep" in argv)
+    argv = sys.argv[1:]
+    if argv[:1] == ["attention"]:
+        bench_attention()
     elif argv[:1] == ["rows"]:  # shapes and row counts in any order: rows 1.5B 16 8
         bench_rows(tuple(a for a in argv[1:] if not a.isdigit()) or ("0.5B", "1.5B"),
                    tuple(int(a) for a in argv[1:] if a.isdigit()) or (128, 64, 32, 16, 8))

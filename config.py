@@ -69,6 +69,7 @@ mask_truncated_completions = False
 logprob_impl = "auto"  # fused | chunked | naive | auto (fused on GPU, chunked on CPU)
 kv_reuse = True  # forward each group's prompt once and reuse its KV cache for the G completions
 gradient_checkpointing = False
+compile = True  # torch.compile the decode forward from 128 new tokens on: ~10-30 s once a run, then ~1.7x the speed
 lora_r = 0  # LoRA rank (0 = full fine-tuning); with LoRA the base stays frozen in dtype and only adapters train (peft)
 lora_alpha = 32  # the adapter's scale is lora_alpha / lora_r (TRL's ModelConfig defaults: 16 / 32 / 0.05)
 lora_dropout = 0.05
@@ -154,7 +155,7 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
 }
 FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite", "mask_truncated_completions",
              "kv_reuse", "gradient_checkpointing", "task", "eval_file", "reward", "reward_weights", "dynamic_sampling",
-             "vllm_importance_sampling_correction", "fsdp", "deterministic",
+             "vllm_importance_sampling_correction", "fsdp", "deterministic", "compile",
              "lora_target_modules")  # strings checked below, and booleans
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 

@@ -28,39 +28,18 @@ import triton.language as tl
 
 BLOCK_N = 64  # keys per block in the split kernel
 NUM_WARPS = 4  # the split kernel's launch
-NUM_STAGES = None  # its K/V pipeline depth; None: 3 at D = 64, 2 at D = 128 (stage_count). On an H200 (bench_rollout
-#                    attention, 128 rows, t = 2048): 1.5B 73 us against 87 with 3 stages (three programs an SM in
-#                    shared memory instead of two); 0.5B 42-46 us either way
 SPLIT_WAVES = 2  # key splits: enough (slot, K/V head, split) programs to fill the GPU this many times over
-MERGE_IN_SPLIT = False  # the last split of each (slot, K/V head) merges (no merge kernel). Off: on an H200 at 8 rows
-#                        the split kernel then took 23 us against 7 + 1.5 (many splits, one merger; BENCHMARKS)
-PDL = True  # Hopper's programmatic dependent launch for the decode step's kernels: each may be launched while the
-#             kernel before it runs, and waits (griddepcontrol.wait) before it reads anything but W (a W up to
-#             decode_gemm.PREFETCH_BYTES is prefetched into L2 first). These kernels' launches and, where the compiler
-#             has it (torch.compile's triton.enable_pdl), the compiled forward's (rollout.run_compiled). H200, 1.5B,
-#             default path, one process: 1.91 -> 1.72 ms a step at 8 rows, 2.05 -> 1.88 at 32, 2.62 -> 2.51 at 128
-#             (BENCHMARKS, "Programmatic dependent launch"); the arithmetic is the same, so are the tokens
 
 
 def pdl_launch(device):
-    """a launch's PDL arguments: USE_GDC (the kernel waits), launch_pdl (it may start early) when asked for (PDL),
-    on a GPU of compute capability >= 9, not in the interpreter"""
-    on = PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 and \
+    """a launch's arguments for Hopper's programmatic dependent launch (compute capability >= 9, not in the
+    interpreter): the kernel may be launched while the one before it runs (launch_pdl) and waits for that one's
+    writes before it reads anything the step changes (USE_GDC). The decode step is a chain of small kernels, so
+    overlapping each launch with the kernel before saves ~10% a step at few rows (H200, 1.5B: 1.91 -> 1.72 ms at 8
+    rows); the arithmetic is the same, so are the tokens."""
+    on = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 and \
         os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     return dict(USE_GDC=True, launch_pdl=True) if on else dict(USE_GDC=False)
-
-
-COUNTERS = {}  # device -> int32 tile counters for split K and merge-in-split (zero between launches: the last
-#                split resets its own; kernels on one stream run one after another, so they can share them)
-
-
-def counters(device, n):
-    """n of the device's zeroed int32 counters, allocated once (the first call is a graph's warm-up, not a capture;
-    a captured graph keeps their address, so they are never reallocated)"""
-    if device not in COUNTERS:
-        COUNTERS[device] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
-    assert n <= COUNTERS[device].numel(), f"{n} tile counters, more than the {COUNTERS[device].numel()} there are"
-    return COUNTERS[device]
 
 
 @triton.jit
@@ -111,17 +90,15 @@ def _rope(x, x_ptrs, offs_d, cos, sin, mask, D: tl.constexpr):
 # (0.6 s on an H200); unspecialized, it runs as fast (0.5B and 1.5B heads, 8 and 128 rows: within 0.1 us)
 @triton.jit(do_not_specialize=["P"])
 def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, cos_ptr, sin_ptr, pk_ptr, pv_ptr, ck_ptr, cv_ptr, rows_ptr,
-                         done_ptr, start_ptr, slot_ptr, o_ptr, lse_ptr, out_ptr, count_ptr, G, P, qk_scale,
+                         done_ptr, start_ptr, slot_ptr, o_ptr, lse_ptr, out_ptr, G, P, qk_scale,
                          stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rn,
                          stride_pb, stride_ph, stride_pl, stride_cn, stride_ch, stride_cl,
                          QPK: tl.constexpr, QPK_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         SPLITS: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr, ROPE: tl.constexpr,
-                         USE_GDC: tl.constexpr):
+                         SPLITS: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr, USE_GDC: tl.constexpr):
     """program (slot, kv head, split): the QPK query heads of one K/V head against one contiguous range [lo, hi) of
     the row's keys, numbered [prompt's real columns | completion columns 0..t]; t = slot_ptr[0] is this step's
     column. ROPE: q and this step's key come unrotated, with the slots' (cos, sin) rows (stride_rn apart). The split
-    that owns column t first stores this step's K/V there (knew rotated). MERGE (SPLITS > 1): no merge kernel; the
-    split that arrives last at its (slot, kv head) counter merges the partials, in split order."""
+    that owns column t first stores this step's K/V there (knew rotated)."""
     pid_n, pid_h, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # before the PDL wait: the decode state (set at the last step's end, not by the kernel before), a chain of
     # dependent loads off the critical path when that kernel launches us early (PDL)
@@ -174,28 +151,6 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, cos_ptr, sin_ptr, pk_ptr, pv
         tl.store(o_ptr + (nh * SPLITS + pid_s)[:, None] * D + offs_d[None, :], acc / l_safe[:, None],
                  mask=q_ok[:, None])
         tl.store(lse_ptr + nh * SPLITS + pid_s, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=q_ok)
-        if MERGE:
-            tile = pid_n * tl.num_programs(1) + pid_h
-            tl.debug_barrier()  # every thread's partials are written before the (one-thread) release below
-            last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLITS - 1
-            tl.debug_barrier()  # and every thread reads the others' partials after its acquire
-            if last:  # _decode_merge_kernel's sum for this tile's QPK heads, split by split
-                m = tl.full([QPK_PAD], float("-inf"), tl.float32)
-                for s in range(SPLITS):
-                    m = tl.maximum(m, tl.load(lse_ptr + nh * SPLITS + s, mask=q_ok, other=float("-inf"),
-                                              cache_modifier=".cg"))
-                m = tl.where(m > float("-inf"), m, 0.)
-                den = tl.zeros([QPK_PAD], tl.float32)
-                out = tl.zeros([QPK_PAD, D], tl.float32)
-                for s in range(SPLITS):
-                    lse_s = tl.load(lse_ptr + nh * SPLITS + s, mask=q_ok, other=float("-inf"), cache_modifier=".cg")
-                    w = tl.where(lse_s > float("-inf"), tl.exp2(lse_s - m), 0.)
-                    den += w
-                    out += w[:, None] * tl.load(o_ptr + (nh * SPLITS + s)[:, None] * D + offs_d[None, :],
-                                                mask=q_ok[:, None], other=0., cache_modifier=".cg")
-                tl.store(out_ptr + nh[:, None] * D + offs_d[None, :],
-                         (out / tl.where(den > 0, den, 1.)[:, None]).to(out_ptr.dtype.element_ty), mask=q_ok[:, None])
-                tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch (graph replay)
 
 
 @triton.jit
@@ -215,10 +170,10 @@ def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.co
 
 
 def stage_count(D):
-    """the split kernel's pipeline depth: NUM_STAGES, or as many stages (2 to 3) as keep a program's K/V buffers
-    (stages x BLOCK_N x D x K and V x 2 bytes, bf16) within 64 KB, so that three or more programs fit an SM's
-    shared memory (228 KB)"""
-    return NUM_STAGES or max(2, min(3, 64 * 1024 // (BLOCK_N * D * 2 * 2)))
+    """the split kernel's pipeline depth: as many stages (2 to 3) as keep a program's K/V buffers (stages x BLOCK_N
+    x D x K and V x 2 bytes, bf16) within 64 KB, so that three programs fit an SM's shared memory (228 KB): at the
+    1.5B shape (D = 128) 2 stages take 73 us against 87 with 3 (H200, 128 rows, t = 2048)"""
+    return max(2, min(3, 64 * 1024 // (BLOCK_N * D * 2 * 2)))
 
 
 def decode_attention_triton(q, k_new, v_new, layer, st, scale, cos=None, sin=None):
@@ -237,17 +192,15 @@ def decode_attention_triton(q, k_new, v_new, layer, st, scale, cos=None, sin=Non
     o = torch.empty(n, h, S, D, dtype=torch.float32, device=q.device) if S > 1 else out
     lse = torch.empty(n, h, S, dtype=torch.float32, device=q.device) if S > 1 else out
     QPK = h // kvh
-    merge = MERGE_IN_SPLIT and S > 1
-    count = counters(q.device, n * kvh) if merge else out
     _decode_split_kernel[(n, kvh, S)](
         q, k_new, v_new, cos if rope else q, sin if rope else q, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot,
-        o, lse, out, count, st.G, pk.shape[2], scale * 1.4426950408889634, q.stride(0), q.stride(1),
+        o, lse, out, st.G, pk.shape[2], scale * 1.4426950408889634, q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0) if rope else 0,
         pk.stride(0), pk.stride(1), pk.stride(2), ck.stride(0), ck.stride(1), ck.stride(2),
-        QPK=QPK, QPK_PAD=max(16, triton.next_power_of_2(QPK)), D=D, BLOCK_N=BLOCK_N, SPLITS=S, MERGE=merge,
+        QPK=QPK, QPK_PAD=max(16, triton.next_power_of_2(QPK)), D=D, BLOCK_N=BLOCK_N, SPLITS=S,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # an fp32 model gets fp32 attention, not TF32
         ROPE=rope, num_warps=NUM_WARPS, num_stages=stage_count(D), **pdl_launch(q.device))
-    if S > 1 and not merge:
+    if S > 1:
         _decode_merge_kernel[(n * h,)](o, lse, out, D=D, SPLITS=S, num_warps=1, **pdl_launch(q.device))
     return out
 

@@ -153,7 +153,7 @@ def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
         ids, mask = encode_prompts(tokenizer, [q for q, _ in chunk], cfg.max_prompt_len, dev)
         for n, temp in ((1, 0.0),) + (((k, cfg.eval_temperature),) if k else ()):
             buf = rollout(model, ids, mask, n, cfg.max_completion_len, temp, 1.0, stop_token_ids(model, tokenizer),
-                          tokenizer.pad_token_id)
+                          tokenizer.pad_token_id, cfg.compile)
             texts = tokenizer.batch_decode(buf["completion_ids"], skip_special_tokens=True)
             scored = [reward_fn(text, chunk[j // n][1]) for j, text in enumerate(texts)]  # rows prompt-major
             if n == 1 and temp == 0.0:
@@ -195,7 +195,7 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
         prompt_ids, prompt_mask = encode_prompts(tokenizer, [q for q, _ in batch], cfg.max_prompt_len, dev)
         try:
             buf = rollout(policy, prompt_ids, prompt_mask, G, cfg.max_completion_len, cfg.temperature, cfg.top_p,
-                          stop_token_ids(policy, tokenizer), tokenizer.pad_token_id)
+                          stop_token_ids(policy, tokenizer), tokenizer.pad_token_id, cfg.compile)
         except torch.cuda.OutOfMemoryError as e:
             raise torch.cuda.OutOfMemoryError("out of GPU memory while generating: lower --prompts_per_step, "
                                               "--group_size or --max_completion_len") from e

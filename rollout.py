@@ -11,30 +11,22 @@ A decode step of B*G rows must read every weight once plus every live row's K/V.
    host reads which rows are done; when the live ones fit a bucket of half the slots or fewer (powers of two), they
    are compacted into a smaller batch with its own captured graph. Finished rows never run attention (the kernel
    skips them), and after a compaction they skip the matmuls too. No K/V is copied: only the slot -> row map moves.
-3. Few GEMMs. At decode, M = live rows (8-128), and a cuBLAS GEMM costs 4-7 us whatever its size, so the count of
-   GEMMs matters more than their bytes: decode_forward runs the model's own modules (embedding, RoPE, norms,
-   o_proj, activation, down_proj, LM head) but q|k|v as one GEMM and gate|up as another, on weights concatenated
-   once per call (FUSE; 7 GEMMs a layer become 4). DECODE_GEMM = "cuda" runs those 4 as decode_cuda's kernels in
-   buckets of up to CUDA_GEMM_MAX_ROWS slots: each loads its weights before the PDL wait, so they stream while the
-   kernel before still runs, with the norm, SiLU-mul and residual add in the same launch. DECODE_GEMM = "triton"
-   runs them as decode_gemm's decode_linear (RoPE too) in buckets of up to TRITON_GEMM_MAX_ROWS slots. Both are
-   opt-in; larger buckets run cuBLAS.
+3. Few launches. At decode, M = live rows (8-128) and a GEMM costs a few us whatever its size: decode_forward runs
+   the model's own modules but q|k|v and gate|up as one GEMM each (FUSE: 7 GEMMs a layer become 4), each step
+   (forward, sampling, bookkeeping) is one CUDA graph replay, sampling needs no host sync (decode_kernels.py), and
+   the host checks "done" every CHECK_EVERY steps only. From COMPILE_MIN_TOKENS new tokens on, the forward is
+   torch.compile'd in three parts shared by all layers (~10-30 s once a process at any depth), which fuses the ~30
+   small elementwise kernels a layer runs eagerly into a handful. A model it cannot trace decodes uncompiled.
 
-Each decode step (model forward, sampling, bookkeeping) is one CUDA graph replay; the host only checks "done" every
-CHECK_EVERY steps. Sampling needs no host sync either (decode_kernels.py: inverse-CDF Triton kernels, or torch ops
-behind HF's top-k/top-p warpers). On CUDA, for rollouts of COMPILE_MIN_TOKENS or more, the forward is
-torch.compile'd, which fuses the ~30 small elementwise kernels a layer runs in eager mode (RMSNorm, RoPE, SiLU,
-residuals) into a handful; in three parts shared by all layers (decode_forward), so it compiles in ~10-30 s at any
-depth. Sampling sets training's forward hooks aside (gradient checkpointing's, FSDP2's); a model
-torch.compile cannot trace decodes uncompiled, said in one printed line (LAST["compiled"], LAST["compile_error"]).
-
-The model keeps its transformers modules; the decode attention is registered as "nanogrpo_decode" (the model's own
-forward runs on it when FUSE is off or the layers are not llama/qwen2/qwen3-shaped), so any llama/qwen2/qwen3-style
-checkpoint works, and other models (sliding window, other attention) fall back to model.generate with the same
-outputs.
+Left out: paged K/V (a group's rows share one prompt and start together, so a dense cache per row wastes nothing
+until rows finish, and compaction handles that) and custom decode GEMMs (CUDA ones that loaded their weights before
+the kernel before them ended made an 8-row step 14-22% faster on an H200, 16 rows slower, and failed on an H100:
+BENCHMARKS, "Tried and not kept"). Models the decode cannot run (sliding window, other attention) fall back to
+model.generate with the same outputs; the decode attention is also registered as "nanogrpo_decode", on which the
+model's own forward runs when its layers are not llama/qwen2/qwen3-shaped.
 
     generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
-                    top_k=0, eos_token_id=None, pad_token_id=None) -> (completion_ids, completion_mask) (B*G, C)
+                    top_k=0, eos_token_id=None, pad_token_id=None, compile=True) -> (completion_ids, completion_mask)
 """
 import contextlib
 import sys
@@ -49,8 +41,6 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import decode_cuda  # (registers the op nanogrpo::decode_linear_cuda)
-from decode_gemm import decode_linear_op, fold_norm, rms_norm_torch  # noqa: F401 (decode_linear_op: registers the op)
 import decode_kernels
 from decode_kernels import decode_attention_op, record, sample, sample_triton
 from kv_reuse import positions, reuse_unsupported, trim_left_padding
@@ -62,38 +52,20 @@ MIN_BUCKET = 8  # compaction never goes below this many slots
 COMPACT_MIN_STEPS = 32  # compact only if at least this many steps may remain (a capture costs ~2 steps)
 ATTENTION = "auto"  # decode attention: triton | torch | auto (triton on CUDA, torch elsewhere)
 SAMPLER = "auto"  # triton (inverse-CDF kernels; temperature only) | torch (any top-k/top-p) | auto: triton if it can
-COMPILE = True  # torch.compile the decode forward (fuses norms, RoPE, MLP; attention stays ours)...
-COMPILE_MIN_TOKENS = 128  # ...from this many new tokens on: the first compile costs ~10-30 s once a process (26 s
-#                          at the 28-layer 1.5B shape on an H200, in decode_forward's parts) and a step saves ~2 ms
-#                          (0.5B, 256 rows: 2.3-2.8 ms against 4.0-4.6), repaid after ~40-75 rollouts of 128 tokens.
-#                          The default run (64 tokens, 0.90 in 1-3 minutes) stays on CUDA graphs alone
+COMPILE_MIN_TOKENS = 128  # compile=True compiles the decode forward from this many new tokens on: the compile costs
+#                          ~10-30 s once a process and a step saves ~2 ms, so a 64-token default run never repays it
 COMPILE_BACKEND = "inductor"  # on CUDA; on the CPU only another backend compiles (tests: aot_eager, no C++ compiler)
 FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); False: the model's own forward
-DECODE_GEMM = "torch"  # decode_forward's GEMMs: torch (cuBLAS; the compiler fuses norms, SiLU, residuals around them)
-#                | cuda (decode_cuda.decode_linear_cuda: W loaded before the PDL wait, the norm, SiLU*up and residual
-#                  in the launch; Hopper, bf16; buckets of up to CUDA_GEMM_MAX_ROWS slots, larger ones the default)
-#                | triton (decode_gemm.decode_linear: RMSNorm, RoPE, SiLU*up, residual inside the GEMM's launch,
-#                  for buckets of up to TRITON_GEMM_MAX_ROWS slots; larger ones run cuBLAS on the same weights)
-TRITON_GEMM_MAX_ROWS = 16  # H200, both with PDL, one process: with decode_linear a step at 1.5B took 1.71 / 1.65 ms
-#                            at 16 / 8 rows against 1.75 / 1.69; at 0.5B 1.06 / 1.02 against 1.05 / 1.02, and at
-#                            32 rows 1.54 against 1.12 (BENCHMARKS, "The triton GEMMs under PDL")
-CUDA_GEMM_MAX_ROWS = 8  # (decode_cuda.MAX_ROWS = 16 at most) H200, a step with all four GEMMs in CUDA against the
-#                          default: 8 rows -22% at 0.5B, -14% at 1.5B; 16 rows +1% and +14% (BENCHMARKS, "x and its
-#                          RMSNorm in one pass", "The attention in a small step")
-CUDA_GEMMS = ("qkv", "o", "gate_up", "down")  # which of a layer's GEMMs run decode_cuda's kernels (the rest cuBLAS)
-STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rope types whose inv_freq never changes (not dynamic NTK)
 LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl, decode path (tests, benchmarks)
 
 DECODE_STATE = []  # the decode state of the step being run (or captured): caches, slot -> row map, column
 
 
-@torch.compiler.disable  # under COMPILE the launches stay as they are (the CUDA graph captures them anyway)
+@torch.compiler.disable  # compiled, the launches stay as they are (the CUDA graph captures them anyway)
 def decode_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """transformers attention function for a decode step, registered as "nanogrpo_decode" (the model's own forward,
-    FUSE off): key/value are this step's K/V (n, kvh, 1, D) after RoPE, the caches and the slot -> row map come from
-    DECODE_STATE (set by decode_step; a global rather than a forward argument, so that torch.compile never sees,
-    guards on or re-traces it), then the op above. attention_mask is None: transformers builds no mask for an
-    attention it does not know."""
+    """transformers attention function for a decode step, "nanogrpo_decode" (the model's own forward, FUSE off):
+    key/value are this step's K/V (n, kvh, 1, D) after RoPE; the caches and the slot -> row map come from
+    DECODE_STATE (a global, not a forward argument, so that torch.compile never guards on or re-traces it)"""
     st = DECODE_STATE[-1]
     pk, pv, ck, cv = st.layers[module.layer_idx]
     return decode_attention_op(query, key, value, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot, st.G, scaling,
@@ -136,11 +108,10 @@ CAPTURE = {}  # device index -> [side stream, latest decode graph], reused by th
 def graphed(fn, warmup):
     """fn() captured as a CUDA graph: returns replay(). warmup() runs first on the side stream (lazy cuBLAS/Triton
     setup must not happen inside a capture) and must leave no state behind that the real step would not overwrite.
-    capture_begin/end rather than `with torch.cuda.graph()`: that one empties the allocator's cache before every
-    capture, so the training step after each generation re-allocated its whole working set (+15% update time in the
-    trainer). One side stream and one memory pool per device, reused by every capture: the caching allocator keeps
-    freed blocks per stream, so a new stream per call stranded the warm-up's memory (+0.75 GiB reserved per call).
-    Graphs that share a pool must not run concurrently: ours run one after another (bucket after bucket)."""
+    capture_begin/end, not `with torch.cuda.graph()`, which empties the allocator's cache at every capture (the
+    training step after each generation then re-allocated its working set: +15% update time). One side stream and
+    one pool per device, reused by every capture (the allocator keeps freed blocks per stream: a stream per call
+    stranded 0.75 GiB each); graphs sharing a pool must not run concurrently, and ours run bucket after bucket."""
     dev = torch.cuda.current_device()
     if dev not in CAPTURE:
         CAPTURE[dev] = [torch.cuda.Stream(), None]
@@ -193,12 +164,12 @@ def model_forward(model, tok, pos):
 def fuse_projections(model):
     """per layer (w_qkv, b_qkv, w_gate_up, b_gate_up, w_o, b_o, w_down, b_down): q/k/v and gate/up weights
     concatenated along the output dim, o_proj's and down_proj's as they are, for decode_forward; None if the model's
-    layers are not the llama/qwen2/qwen3 shape it assumes. At decode the GEMMs have M = live rows (8-128), where a
-    cuBLAS call costs 4-7 us whatever its size: k_proj and v_proj (0.2 MB each at the 0.5B shape) cost as much as
-    q_proj. One GEMM per group saves 3 of 7 per layer. A copy per call (weights change every training step): + the
-    q/k/v and MLP-input weights' bytes while sampling. A LoRA projection is folded here, W + (alpha/r) B A, once per
-    rollout (lora.effective_weight), so a decode step costs what it costs without LoRA; any other wrapped, quantized
-    or re-implemented projection computes more than x @ W^T + b, so such a model keeps its own forward (None)."""
+    layers are not the llama/qwen2/qwen3 shape it assumes. A cuBLAS call at decode costs 4-7 us whatever its size, so
+    k_proj and v_proj (0.2 MB each at the 0.5B shape) cost as much as q_proj. A copy per call (weights change every
+    training step): + the q/k/v and MLP-input weights' bytes while sampling. A LoRA projection is folded here,
+    W + (alpha/r) B A, once per rollout (lora.effective_weight), so a decode step costs what it costs without LoRA;
+    any other wrapped, quantized or re-implemented projection computes more than x @ W^T + b, so such a model keeps
+    its own forward (None)."""
     cat_bias = lambda wbs: None if all(b is None for _, b in wbs) else torch.cat(  # noqa: E731
         [b if b is not None else w.new_zeros(w.shape[0]) for w, b in wbs])
     fused = []
@@ -217,138 +188,87 @@ def fuse_projections(model):
     return fused
 
 
-def gemms_fit(model, fused, device, gemm):
-    """decode_forward's GEMMs may be decode_gemm's or decode_cuda's (gemm: DECODE_GEMM triton or cuda): their
-    prologue is transformers' RMSNorm (weight * x / rms, eps variance_epsilon), their epilogue SiLU(gate) * up, their
-    inputs and the weights they read (fuse_projections': a LoRA adapter folded in) one dtype, no autocast; cuda's
-    also a Hopper GPU and bf16 (decode_cuda.unsupported)"""
-    norms = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
-    dt = model.model.embed_tokens.weight.dtype
-    return (getattr(model.config, "hidden_act", None) == "silu" and not torch.is_autocast_enabled(device.type)
-            and not (gemm == "cuda" and decode_cuda.unsupported(device, dt))
-            and all(type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and m.weight.dtype == dt
-                    for m in norms)
-            and all(t is None or t.dtype == dt for layer in fused for t in layer))
-
-
-def project(st, x, w, b, norm=None, act=None, residual=None, name=""):
+def project(x, w, b, norm=None, act=None, residual=None):
     """one decode GEMM with its neighbours: residual + act(norm(x) @ W^T + b), act(y) = act_fn(gate) * up on W's
-    two halves [gate; up]. st.gemm "triton" or "cuda" (for the GEMMs named in CUDA_GEMMS): one launch of
-    decode_gemm's or decode_cuda's (name: qkv, o, gate_up or down); else the model's modules and F.linear
-    ("folded": on the triton path's weights, the norm's weight in W: the norm without it)"""
-    if st.gemm == "cuda" and name in CUDA_GEMMS:
-        return torch.ops.nanogrpo.decode_linear_cuda(x, w, b, None if norm is None else norm.weight, residual,
-                                                     0. if norm is None else norm.variance_epsilon, act is not None)
-    if st.gemm == "triton":
-        return torch.ops.nanogrpo.decode_linear(x, w, b, norm is not None, residual,  # (W: the norm's weight in)
-                                                0. if norm is None else norm.variance_epsilon, act is not None,
-                                                "triton")
-    if norm is not None:  # ("folded": W has the norm's weight in it, so the norm runs without it)
-        x = norm(x) if st.gemm == "torch" else rms_norm_torch(x, None, norm.variance_epsilon)
-    y = F.linear(x, w, b)
+    two halves [gate; up]"""
+    y = F.linear(x if norm is None else norm(x), w, b)
     if act is not None:
         gate, up = y.chunk(2, -1)
         y = act(gate) * up
     return y if residual is None else residual + y
 
 
-def epilogue_rope(model, device):
-    """what decode_linear needs to apply RoPE in q|k|v's epilogue (DECODE_GEMM triton), as decode-state fields:
-    rope = (inv_freq, scale), qk_norms = [q_norm; k_norm] (2D,) per layer (qwen3; else None) and their eps; None
-    where the model's RoPE stays: a rope type whose inv_freq changes with the length (dynamic NTK), or on a GPU a
-    head half under 16 columns (it is a tile, and tl.dot wants >= 16)"""
-    rotary, attns = model.model.rotary_emb, [layer.self_attn for layer in model.model.layers]
-    if getattr(rotary, "rope_type", "default") not in STATIC_ROPE or (device.type == "cuda" and attns[0].head_dim < 32):
-        return None
-    return dict(rope=(rotary.inv_freq.float(), float(rotary.attention_scaling)),
-                qk_norms=[torch.cat([a.q_norm.weight, a.k_norm.weight]) if hasattr(a, "q_norm") else None
-                          for a in attns],
-                qk_eps=getattr(getattr(attns[0], "q_norm", None), "variance_epsilon", 0.))
-
-
 def rope_in_attention(model):
     """whether the attention op may apply the model's RoPE: its own apply_rotary_pos_emb is rope_torch's formula
     (decode_kernels.rope_matches: rotate-half on whole heads, as llama/qwen2/qwen3). Then decode_forward hands the
-    op (cos, sin) and q|k|v unrotated, and a layer runs no RoPE kernel (H200: BENCHMARKS, "RoPE in the attention")"""
+    op (cos, sin) and q|k|v unrotated, and a layer runs no RoPE kernel of its own"""
     attn = model.model.layers[0].self_attn
     return decode_kernels.rope_matches(getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None),
                                        attn.head_dim)
 
 
-def attention_inputs(st, layer, h, w_qkv, b_qkv, qk_norm, pos, cos, sin):
+def attention_inputs(layer, h, w_qkv, b_qkv, rope_attn, cos, sin):
     """the layer's q (n, h, 1, D), k and v (n, kvh, 1, D) at a decode step: q|k|v of the normed h, the q/k norms
-    (qwen3), RoPE (unless st.rope_attn: the attention op applies it). With the triton GEMMs and a static RoPE
-    (st.rope: inv_freq, scale; qk_norm: the layer's [q_norm; k_norm] or None) all of it is one launch"""
-    attn, norm = layer.self_attn, layer.input_layernorm
+    (qwen3), RoPE (unless rope_attn: the attention op applies it)"""
+    attn = layer.self_attn
     n, D = h.shape[0], attn.head_dim
     sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-    heads = lambda q, k, v: [t.view(n, 1, -1, D).transpose(1, 2) for t in (q, k, v)]  # noqa: E731
-    if st.gemm == "triton" and st.rope is not None:
-        qkv = torch.ops.nanogrpo.decode_linear(h, w_qkv, b_qkv, True, None, norm.variance_epsilon, False,
-                                               "triton", pos, st.rope[0], qk_norm,
-                                               [sizes[0] // D, sizes[1] // D], st.rope[1], st.qk_eps)
-        return heads(*qkv.split(sizes, -1))
-    q, k, v = heads(*project(st, h, w_qkv, b_qkv, norm=norm, name="qkv").split(sizes, -1))
-    if hasattr(attn, "q_norm"):  # qwen3: RMSNorm per head before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)  # (over the last dim, D)
-    if st.rope_attn:  # the attention op applies RoPE (no launch of its own)
-        return q, k, v
-    q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+    qkv = project(h, w_qkv, b_qkv, norm=layer.input_layernorm).split(sizes, -1)
+    q, k, v = [t.view(n, 1, -1, D).transpose(1, 2) for t in qkv]
+    if hasattr(attn, "q_norm"):  # qwen3: RMSNorm per head (over D) before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    if not rope_attn:
+        q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
     return q, k, v
 
 
-def mlp_block(st, layer, w, o, h):
+def mlp_block(layer, w, o, h):
     """after a layer's attention output o (n, 1, h, D): h + o_proj(o), then + its MLP on that; the new h (n, 1, H)"""
     _, _, w_gu, b_gu, w_o, b_o, w_down, b_down = w
-    h = project(st, o.reshape(h.shape[0], 1, -1).to(h.dtype), w_o, b_o, residual=h, name="o")
-    a = project(st, h, w_gu, b_gu, norm=layer.post_attention_layernorm, act=layer.mlp.act_fn, name="gate_up")
-    return project(st, a, w_down, b_down, residual=h, name="down")  # (a: (n, 1, I))
+    h = project(o.reshape(h.shape[0], 1, -1).to(h.dtype), w_o, b_o, residual=h)
+    a = project(h, w_gu, b_gu, norm=layer.post_attention_layernorm, act=layer.mlp.act_fn)  # (n, 1, I)
+    return project(a, w_down, b_down, residual=h)
 
 
-def decode_first(model, st, layer, w, qk_norm, tok, pos):
+def decode_first(model, layer, w, rope_attn, tok, pos):
     """the embedding, RoPE's (cos, sin) and layer 0's attention inputs: (h, cos, sin, q, k, v)"""
     h = model.model.embed_tokens(tok)  # (n, 1, H)
     cos, sin = model.model.rotary_emb(h, pos)
-    return (h, cos, sin) + tuple(attention_inputs(st, layer, h, w[0], w[1], qk_norm, pos, cos, sin))
+    return (h, cos, sin) + tuple(attention_inputs(layer, h, w[0], w[1], rope_attn, cos, sin))
 
 
-def decode_between(st, layer, w, o, h, nxt, w_nxt, qk_norm, pos, cos, sin):
+def decode_between(layer, w, o, h, nxt, w_nxt, rope_attn, cos, sin):
     """a layer's o_proj and MLP, then the next layer's attention inputs: (h, q, k, v)"""
-    h = mlp_block(st, layer, w, o, h)
-    return (h,) + tuple(attention_inputs(st, nxt, h, w_nxt[0], w_nxt[1], qk_norm, pos, cos, sin))
+    h = mlp_block(layer, w, o, h)
+    return (h,) + tuple(attention_inputs(nxt, h, w_nxt[0], w_nxt[1], rope_attn, cos, sin))
 
 
-def decode_last(model, st, layer, w, o, h):
+def decode_last(model, layer, w, o, h):
     """the last layer's o_proj and MLP, the final norm, the LM head: (n, V) logits"""
-    return model.lm_head(model.model.norm(mlp_block(st, layer, w, o, h)))[:, -1]
+    return model.lm_head(model.model.norm(mlp_block(layer, w, o, h)))[:, -1]
 
 
 DECODE_PARTS = (decode_first, decode_between, decode_last)
 
 
 def decode_forward(model, fused, st, tok, pos, compiled=False):
-    """model_forward for one decode step with fused projections: the model's own modules (embedding, RoPE,
-    RMSNorms, q/k norms, activation, LM head) in the order its forward calls them, but q|k|v = x @ W_qkv^T + b_qkv
-    and gate|up = x @ W_gu^T + b_gu as one GEMM each, o_proj and down_proj on their weights from fuse_projections
-    (a LoRA adapter folded in), and the attention as the op nanogrpo::decode_attention on the decode state st
-    (caches, slot -> row map, column). (n, V) logits.
-    In parts cut at the attention ops, which no compiler fuses across anyway: decode_first, then per layer the
-    attention and decode_between (its o_proj and MLP with the next layer's norm, q|k|v and RoPE, so a residual add
-    and the next norm still fuse), decode_last. compiled: each part through torch.compile (run_compiled), one graph
-    each; the layers' parts are one function on each layer's weights, so three compiles serve any depth (BENCHMARKS,
-    "The decode forward compiled in parts": 26 s at 1.5B against 148 s as one graph, a step as fast)."""
+    """model_forward for one decode step, (n, V) logits: the model's own modules in the order its forward calls them,
+    but q|k|v and gate|up as one GEMM each on fuse_projections' weights, and the attention as the op
+    nanogrpo::decode_attention on the decode state st (caches, slot -> row map, column). In parts cut at the
+    attention ops, which no compiler fuses across anyway: decode_first, then per layer the attention and
+    decode_between (o_proj and MLP with the next layer's norm, q|k|v and RoPE, so a residual add and the next norm
+    still fuse), decode_last. compiled: each part one torch.compile graph, the same function for every layer, so
+    three compiles serve any depth (26 s at the 28-layer 1.5B shape against 148 s as one graph, a step as fast)."""
     call = run_compiled if compiled else (lambda fn, *args: fn(*args))
-    layers, L = model.model.layers, len(fused)
-    qk_norms = getattr(st, "qk_norms", None) or [None] * L  # (the triton GEMMs' RoPE epilogue: qwen3's q/k norms)
-    h, cos, sin, q, k, v = call(decode_first, model, st, layers[0], fused[0], qk_norms[0], tok, pos)
+    layers, L, rope = model.model.layers, len(fused), st.rope_attn
+    h, cos, sin, q, k, v = call(decode_first, model, layers[0], fused[0], rope, tok, pos)
     for i, (pk, pv, ck, cv) in enumerate(st.layers):
         o = torch.ops.nanogrpo.decode_attention(q, k, v, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot,
                                                 st.G, layers[i].self_attn.scaling, st.impl,
-                                                *((cos, sin) if st.rope_attn else ()))  # (n, 1, h, D)
+                                                *((cos, sin) if rope else ()))  # (n, 1, h, D)
         if i == L - 1:
-            return call(decode_last, model, st, layers[i], fused[i], o, h)
-        h, q, k, v = call(decode_between, st, layers[i], fused[i], o, h, layers[i + 1], fused[i + 1],
-                          qk_norms[i + 1], pos, cos, sin)
+            return call(decode_last, model, layers[i], fused[i], o, h)
+        h, q, k, v = call(decode_between, layers[i], fused[i], o, h, layers[i + 1], fused[i + 1], rope, cos, sin)
 
 
 COMPILED = {}  # (function, backend) -> its torch.compile wrapper, built once per process
@@ -357,18 +277,16 @@ UNCOMPILABLE = weakref.WeakKeyDictionary()  # model -> why torch.compile failed 
 
 def run_compiled(fn, *args):
     """fn(*args) (model_forward, or one of decode_forward's parts) through torch.compile, compiled once per process,
-    with dynamic shapes: the slot count changes from bucket to bucket, and (model_forward) the attention's graph
-    break starts a new frame per layer whose inputs mark_dynamic would not reach, so static shapes would recompile
-    every layer's frame at every new bucket size. Without duck sizing: it would tie the slot count
-    to any model dimension of the same size at trace time (128 slots = 2 K/V heads x 64) and recompile when a bucket
-    breaks the tie (seen: 5-8 s inside a timed run). With decode_kernels.PDL (read at the first compile) the
-    compiler's Triton kernels launch with programmatic dependent launch where torch has it (triton.enable_pdl;
-    Hopper and later): each overlaps its launch with the kernel before, -4 to -10% a step on an H200."""
+    with dynamic shapes: the slot count changes from bucket to bucket (and model_forward's graph breaks start frames
+    that mark_dynamic would not reach). Without duck sizing, which would tie the slot count to any model dimension of
+    the same size at trace time (128 slots = 2 K/V heads x 64) and recompile when a bucket breaks the tie (5-8 s).
+    The compiler's Triton kernels launch with programmatic dependent launch where torch has it (Hopper and later),
+    as decode_kernels' do: each overlaps its launch with the kernel before (-4 to -10% a step on an H200)."""
     from torch._inductor import config as inductor_config
     from torch.fx.experimental import _config as fx_config  # private, but in torch 2.1 through 2.13
     key = (fn, COMPILE_BACKEND)
     if key not in COMPILED:  # decode_forward's parts have no graph break at all: fullgraph makes one an error
-        pdl = decode_kernels.PDL and COMPILE_BACKEND == "inductor" and hasattr(inductor_config.triton, "enable_pdl")
+        pdl = COMPILE_BACKEND == "inductor" and hasattr(inductor_config.triton, "enable_pdl")
         COMPILED[key] = torch.compile(fn, backend=COMPILE_BACKEND, dynamic=True, fullgraph=fn in DECODE_PARTS,
                                       options={"triton.enable_pdl": True} if pdl else None)
     with fx_config.patch(use_duck_shape=False):
@@ -377,8 +295,7 @@ def run_compiled(fn, *args):
 
 def forward_compiled_or_not(model, fn, *args):
     """run_compiled(fn, *args), or fn(*args) once torch.compile has failed on this model: a module it cannot trace
-    (a custom layer with data-dependent Python, say) costs the compiled forward's speed, with one printed line, not
-    the run. Training's hooks are no such case: generate_groups sets them aside (sampling). Compilation
+    (data-dependent Python, say) costs the compiled forward's speed, with one printed line, not the run. Compilation
     happens in the graph's warm-up call, never inside a capture, so falling back there is safe."""
     if model not in UNCOMPILABLE:
         try:
@@ -393,12 +310,10 @@ def forward_compiled_or_not(model, fn, *args):
 
 @contextlib.contextmanager
 def sampling(model):
-    """the model as generation wants it, restored on exit: eval mode (no dropout, no gradient checkpointing) and
-    every module's forward hooks set aside. Generation is inference; the hooks are training's: gradient
-    checkpointing's on the input embedding (output.requires_grad_(True), which torch 2.11's compiler refuses inside
-    the fullgraph decode, and which would make every decode step build autograd state), FSDP2's unshard/reshard on
-    each unit (dist.gathered has unsharded the weights for the whole rollout; a CUDA graph would capture their
-    stream waits). A hook a user registers for training is set aside too."""
+    """the model as generation wants it, restored on exit: eval mode and every module's forward hooks set aside, as
+    they are training's: gradient checkpointing's output.requires_grad_(True) on the input embedding (torch 2.11's
+    compiler refuses it in the fullgraph decode, and each step would build autograd state), FSDP2's unshard/reshard
+    (dist.gathered unshards the weights for the whole rollout; a graph would capture their stream waits)."""
     was_training, saved = model.training, [(m, m._forward_pre_hooks, m._forward_hooks) for m in model.modules()]
     for m, pre, post in saved:
         m._forward_pre_hooks, m._forward_hooks = type(pre)(), type(post)()
@@ -423,11 +338,12 @@ def eos_tensor(eos_token_id, device):
 
 @torch.no_grad()
 def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
-                    top_k=0, eos_token_id=None, pad_token_id=None, return_logprobs=False):
+                    top_k=0, eos_token_id=None, pad_token_id=None, return_logprobs=False, compile=True):
     """G completions per prompt, (B*G, C) right-padded ids and mask (1 up to and including EOS), row = b*G + g.
     C <= max_new_tokens: the longest row. Greedy when temperature=0. eos_token_id: int, list, or () for none.
     return_logprobs: also (B*G, C) float32, each token's log-prob under the distribution it was drawn from (after
-    temperature/top-k/top-p; greedy: plain softmax), as the sampler computed it (0 on padding)."""
+    temperature/top-k/top-p; greedy: plain softmax), as the sampler computed it (0 on padding). compile: the decode
+    forward through torch.compile from COMPILE_MIN_TOKENS new tokens on (CUDA graphs either way)."""
     if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
         raise ValueError("prompt_ids and prompt_mask must both be (B, P)")
     if not bool((prompt_mask[:, -1] == 1).all()):
@@ -456,7 +372,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
     N, T = B * G, max_new_tokens
     attn_impl = ("triton" if dev.type == "cuda" else "torch") if ATTENTION == "auto" else ATTENTION
     graph = CUDA_GRAPH and dev.type == "cuda"
-    compiled = COMPILE and T >= COMPILE_MIN_TOKENS and (dev.type == "cuda" or COMPILE_BACKEND != "inductor")
+    compiled = compile and T >= COMPILE_MIN_TOKENS and (dev.type == "cuda" or COMPILE_BACKEND != "inductor")
     with sampling(model):  # eval mode, no training hooks
         # 1) prefill each prompt once; its K/V (B, kvh, P, D) per layer are the shared prefix of its G rows
         pos = positions(prompt_mask)  # (B, P)
@@ -492,28 +408,14 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                                 pos=pos[:, -1:].repeat_interleave(G, 0) + 1, done=done)  # (n,), (n, 1), (n, 1), (n,)
         fused = fuse_projections(model) if FUSE else None
         forward_fn = decode_forward if fused is not None else model_forward
-        gemm = DECODE_GEMM if DECODE_GEMM in ("triton", "cuda") and fused is not None and \
-            gemms_fit(model, fused, dev, DECODE_GEMM) else "torch"
-        rope, rope_attn = None, fused is not None and rope_in_attention(model)
-        if gemm == "triton":  # RoPE in q|k|v's epilogue where it can; W with the RMSNorm's weight in its columns
-            rope = epilogue_rope(model, dev)
-            fused = [(fold_norm(w_qkv, layer.input_layernorm.weight), b_qkv,
-                      fold_norm(w_gu, layer.post_attention_layernorm.weight), b_gu, *rest)
-                     for layer, (w_qkv, b_qkv, w_gu, b_gu, *rest) in zip(model.model.layers, fused)]
+        rope_attn = fused is not None and rope_in_attention(model)  # RoPE inside the attention kernel
         LAST.clear()
-        LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None, gemm=gemm,
-                    gemms=[], rope="epilogue" if rope else "attention" if rope_attn else "torch")
-        #                   (gemms: each bucket's: torch|triton|cuda|folded; rope: where RoPE runs)
+        LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None,
+                    rope="attention" if rope_attn else "torch")
 
-        def make_step(sl):
-            # (the attention op picks the split count for the slots it gets; rope: epilogue_rope's fields)
-            n = sl.rows.shape[0]  # (above the custom GEMMs' bucket sizes: cuBLAS, on the folded W for triton)
+        def make_step(sl):  # the decode step of slots sl (the attention op picks its split count for their number)
             st = SimpleNamespace(layers=layers, rows=sl.rows, done=sl.done, start=start, slot=slot, G=G,
-                                 impl=attn_impl, gemm="folded" if gemm == "triton" and n > TRITON_GEMM_MAX_ROWS else
-                                 "torch" if gemm == "cuda" and n > CUDA_GEMM_MAX_ROWS else gemm,
-                                 **(rope or dict(rope=None)))
-            st.rope_attn = rope_attn and not (st.gemm == "triton" and st.rope is not None)  # (else: q|k|v's epilogue)
-            LAST["gemms"].append(st.gemm)
+                                 impl=attn_impl, rope_attn=rope_attn)
 
             def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)
                 args = (model, fused, st, sl.tok, sl.pos) if fused is not None else (model, sl.tok, sl.pos)
@@ -552,7 +454,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         if model in UNCOMPILABLE:
             LAST["compile_error"] = UNCOMPILABLE[model]
         # the path in one word: compiled (+ graph on CUDA) | fallback (compile failed: uncompiled) | graph | eager
-        LAST["path"] = ("compiled" if LAST["compiled"] else "fallback" if "compile_error" in LAST else
-                        "graph" if graph else "eager")
+        LAST["path"] = "compiled" if LAST["compiled"] else "fallback" if model in UNCOMPILABLE else \
+            "graph" if graph else "eager"
     n = int(keep.sum(1).max())  # columns after every row had finished are all padding
     return (ids[:, :n], keep[:, :n].long()) + ((logps[:, :n],) if return_logprobs else ())

@@ -63,7 +63,6 @@ import logprobs as _logprobs  # noqa: E402
 from kernel import fused_logprobs  # noqa: E402
 from logprobs import token_logprobs  # noqa: E402
 import config  # noqa: E402  (grpo's knobs and checks)
-import decode_gemm  # noqa: E402
 import decode_kernels  # noqa: E402
 
 
@@ -636,8 +635,7 @@ def test_rollout_attention_kernel_vs_torch():
     left-padded prompts, a permuted slot -> row map, a finished slot, column 0 and a late column, blocks across the
     prompt/completion boundary); it writes this step's K/V into the cache at the column, gives finished slots 0 and
     writes nothing for them. With cos/sin it applies RoPE to q and this step's key first (the rotated key is what it
-    caches). Split: merged by the merge kernel, or by the last split to arrive (MERGE_IN_SPLIT; its counters back at
-    0 after)"""
+    caches). Split: merged by the merge kernel"""
     import rollout
     g = torch.Generator().manual_seed(0)
     for N, G, h, kvh, D, P, T, t, S in ((8, 4, 4, 2, 16, 20, 40, 30, 1), (8, 4, 4, 2, 16, 20, 40, 30, 4),
@@ -653,138 +651,20 @@ def test_rollout_attention_kernel_vs_torch():
         q, k_new = rnd(n, 1, h, D).transpose(1, 2), rnd(n, kvh, 1, D)
         v_new = rnd(n, 1, 3 * kvh, D)[:, :, kvh:2 * kvh].transpose(1, 2)  # a slice of q|k|v: its own strides
         angle = rnd(n, 1, D // 2).repeat(1, 1, 2) * 3  # (as transformers' cos/sin: the two halves alike)
-        for merge, rope in [(m, r) for m in ((False, True) if S > 1 else (False,)) for r in (False, True)]:
-            decode_kernels.MERGE_IN_SPLIT = merge  # merge kernel, or the last split merges
+        for rope in (False, True):
             cs = (angle.cos(), angle.sin()) if rope else ()
             got_cache, want_cache = (ck.clone(), cv.clone()), (ck.clone(), cv.clone())
-            try:
-                got = decode_kernels.decode_attention_triton(q, k_new, v_new, (pk, pv, *got_cache), st, D ** -0.5,
-                                                             *cs)
-            finally:
-                decode_kernels.MERGE_IN_SPLIT = False
+            got = decode_kernels.decode_attention_triton(q, k_new, v_new, (pk, pv, *got_cache), st, D ** -0.5, *cs)
             rq, rk = (decode_kernels.rope_torch(x, *cs) for x in (q, k_new)) if rope else (q, k_new)
             want = decode_kernels.decode_attention_torch(rq, rk, v_new, (pk, pv, *want_cache), st, D ** -0.5)
             live = ~st.done
-            name = f"N={N} h={h} kvh={kvh} P={P} t={t} splits={S} merge in split {merge} rope {rope}"
+            name = f"N={N} h={h} kvh={kvh} P={P} t={t} splits={S} rope {rope}"
             assert got.shape == (n, 1, h, D), name
             assert_close(got[live], want[live], 1e-5, name)
             assert (got[st.done] == 0).all(), f"{name}: finished slot not zero"
             for c, w, orig in zip(got_cache, want_cache, (ck, cv)):
                 assert_close(c[st.rows[live]], w[st.rows[live]], 1e-6, f"{name}: cache write")
                 assert torch.equal(c[st.rows[st.done]], orig[st.rows[st.done]]), f"{name}: wrote a finished row"
-            if merge:
-                assert int(decode_kernels.COUNTERS[q.device].abs().sum()) == 0, f"{name}: counters not reset"
-
-
-@check
-@_kv_one_thread
-def test_rollout_decode_linear_kernel_vs_torch():
-    """decode_gemm.decode_linear (one launch: RMSNorm folded in, x @ W^T + b, SiLU(gate) * up, + residual) ==
-    the model's modules in torch ops, for the four GEMMs of a decode layer (q|k|v, o_proj, gate|up, down_proj),
-    rows that fill no tile (5) and two m tiles (17 rows, 16-row tiles), K not a whole number of steps, float32 and
-    float16, without and with split K (2 and 3 splits: partials summed by the last split to arrive); the split
-    counters are back at 0 after each launch (the next launch, or graph replay, counts from 0). And q|k|v with
-    RoPE on its q and k heads (v passed through) in the epilogue, with and without qwen3's q/k norms."""
-    g = torch.Generator().manual_seed(0)
-    rnd = lambda *shape, dt: torch.randn(*shape, generator=g).to(DEVICE, dt)  # noqa: E731
-    layer = dict(qkv=dict(norm=True, bias=True), o=dict(bias=True, residual=True), gate_up=dict(norm=True, glu=True),
-                 down=dict(residual=True))
-    for dt, tol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
-        for name, kind in layer.items():
-            for M, BM, split in ((5, 16, 1), (17, 16, 2), (17, 32, 3)):
-                N, K, glu = 40, 300, kind.get("glu", False)
-                x, w = rnd(M, K, dt=dt), rnd(N * (2 if glu else 1), K, dt=dt) / K ** 0.5
-                b = rnd(w.shape[0], dt=dt) if kind.get("bias") else None
-                gain = 1 + 0.1 * rnd(K, dt=dt) if kind.get("norm") else None
-                res = rnd(M, N, dt=dt) if kind.get("residual") else None
-                wg = w if gain is None else decode_gemm.fold_norm(w, gain)  # (the norm's weight in W's columns)
-                got = decode_gemm.decode_linear_triton(x, wg, b, None if gain is None else 1e-6, res, glu,
-                                                       config=(BM, 16, 32, split, 2, 4))
-                d = lambda t: None if t is None else t.double()  # noqa: E731
-                want = decode_gemm.decode_linear_torch(d(x), d(w), d(b), d(gain), d(res), 1e-6, glu)
-                assert got.shape == (M, N) and got.dtype == dt, f"{name}: {got.shape} {got.dtype}"
-                assert_close(got.double(), want, tol * float(want.abs().max()), f"{name} {dt} M={M} split={split}")
-                if split > 1:
-                    assert int(decode_kernels.COUNTERS[x.device].abs().sum()) == 0, f"{name}: counters not reset"
-        D, nq, nk, nv, K = 32, 4, 2, 2, 96  # q|k|v with RoPE (positions up to 3000) and qwen3's q/k norms; BN 8:
-        for qk_norm, bias, M, BM, split in ((False, True, 5, 16, 1), (True, False, 17, 16, 2), (True, True, 17, 32, 1),
-                                            (False, False, 17, 16, 2)):  # 2 programs a head without the q/k norms
-            x, w = rnd(M, K, dt=dt), rnd((nq + nk + nv) * D, K, dt=dt) / K ** 0.5
-            b, gain = rnd(w.shape[0], dt=dt) if bias else None, 1 + 0.1 * rnd(K, dt=dt)
-            qkn = 1 + 0.1 * rnd(2 * D, dt=dt) if qk_norm else None
-            pos, freq = torch.randint(0, 3000, (M,), generator=g).to(DEVICE), 1e4 ** -(torch.arange(0, D, 2) / D)
-            got = decode_gemm.decode_linear_triton(x, decode_gemm.fold_norm(w, gain), b, 1e-6, None, False,
-                                                   (pos, freq.to(DEVICE), 1.0, nq, nk, qkn, 1e-6),
-                                                   config=(BM, 8, 32, split, 2, 4))
-            want = decode_gemm.decode_linear_torch(d(x), d(w), d(b), d(gain), None, 1e-6, False,
-                                                      (pos, freq.double(), 1.0, nq, nk, d(qkn), 1e-6))
-            assert_close(got.double(), want, tol, f"q|k|v RoPE {dt} qk_norm={qk_norm} M={M} split={split}")
-
-
-def _decode_linear_for_hopper():
-    """test_rollout_decode_linear_compiles_for_hopper's body, run in a process without TRITON_INTERPRET (the
-    interpreter patches triton.language while it is on)"""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    fn = decode_gemm._decode_linear_kernel
-    types = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", r_ptr="*bf16", y_ptr="*bf16",
-                 part_ptr="*fp32", count_ptr="*i32", pos_ptr="*i64", freq_ptr="*fp32", qkn_ptr="*bf16", M="i32",
-                 N="i32", K="i32", K_PER="i32", eps="fp32", NQ="i32", NQK="i32", rope_scale="fp32", qk_eps="fp32",
-                 stride_xm="i32", stride_wn="i32", stride_rm="i32", stride_ym="i32")
-    layer = dict(qkv=dict(NORM=True, BIAS=True, ROPE=True, QK_NORM=True), qkv_halves=dict(NORM=True, ROPE=True),
-                 o=dict(BIAS=True, RESIDUAL=True), gate_up=dict(NORM=True, GLU=True), down=dict(RESIDUAL=True))
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in types and a not in
-             ("M", "eps", "NQ", "NQK", "rope_scale", "qk_eps")}
-    for name, flags in layer.items():
-        for M, split in ((8, 1), (128, 1)) + (((8, 4),) if flags.get("RESIDUAL") else ()):  # (split K: o, down)
-            pair = flags.get("GLU", False) or flags.get("ROPE", False)
-            BM, BN, BK, _, stages, warps = decode_gemm.linear_config(M, 1536, 8960, pair, torch.device("cpu"),
-                                                                  64 if "QK_NORM" in flags else None)
-            const = {**dict(NORM=False, GLU=False, BIAS=False, RESIDUAL=False, ROPE=False, QK_NORM=False), **flags,
-                     **dict(SPLIT_K=split, BLOCK_M=BM, BLOCK_K=BK, PRECISION="tf32", USE_GDC=True, PREFETCH=True,
-                            BLOCK_N=64 if "QK_NORM" in flags else 16 if "ROPE" in flags else BN,  # (head_dim 128:
-                            HALF=64 if "ROPE" in flags else BN)}  # the q/k norms' whole half, or 4 programs)
-            src = ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}}, constexprs=const,
-                            attrs=attrs)
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps,
-                                                                                    num_stages=stages))
-            what = f"{name} M={M} split={split} tiles {(BM, BN, BK)} stages {stages} warps {warps}"
-            assert k.metadata.shared <= 227 * 1024, f"{what}: {k.metadata.shared} B of shared memory"
-            assert "async_copy" in k.asm["ttgir"], f"{what}: the K loop is not pipelined"
-            assert "griddepcontrol.wait" in k.asm["ptx"], f"{what}: no PDL wait"
-            assert "prefetch.global.L2" in k.asm["ptx"], f"{what}: W not prefetched before the PDL wait"
-    fn = decode_kernels._decode_split_kernel  # the attention, its merge in the last split, under PDL
-    types = dict(q_ptr="*bf16", knew_ptr="*bf16", vnew_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16",
-                 pk_ptr="*bf16", pv_ptr="*bf16", ck_ptr="*bf16",
-                 cv_ptr="*bf16", rows_ptr="*i64", done_ptr="*i1", start_ptr="*i32", slot_ptr="*i64", o_ptr="*fp32",
-                 lse_ptr="*fp32", out_ptr="*bf16", count_ptr="*i32", G="i32", P="i32", qk_scale="fp32",
-                 **{a: "i32" for a in fn.arg_names if a.startswith("stride_")})
-    const = dict(QPK=6, QPK_PAD=16, D=128, BLOCK_N=64, SPLITS=8, PRECISION="tf32", MERGE=True, ROPE=True,
-                 USE_GDC=True)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a.endswith("_ptr")}
-    k = triton.compile(ASTSource(fn=fn, signature={**types, **{k: "constexpr" for k in const}}, constexprs=const,
-                                 attrs=attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4,
-                                                                                              num_stages=3))
-    ptx = k.asm["ptx"]
-    assert "griddepcontrol.wait" in ptx and "atom" in ptx, "attention: no PDL wait or counter"
-    before = ptx[:ptx.index("griddepcontrol.wait")].count("ld.global")  # the decode state: rows, start, slot, done
-    assert before >= 4, f"attention: {before} global loads before the PDL wait"
-
-
-@check
-def test_rollout_decode_linear_compiles_for_hopper():
-    """the interpreter runs decode_linear's Python, not its lowering: compiled ahead of time for sm_90 (H100/H200;
-    triton's own ptxas, no GPU), each of a layer's four GEMMs (q|k|v with RoPE and q/k norms) at 8 and 128 rows
-    (o, down: also with split K) builds, fits the 227 KiB of shared memory, and its K loop is software-pipelined
-    (cp.async stages: what a memory-bound GEMM needs), and under PDL prefetches its W, then waits for the kernel
-    before it; the attention kernel with its merge in the last split builds under PDL too. The pointer/stride
-    divisibility the JIT would specialize on is given, as it is on a GPU."""
-    import subprocess
-    res = subprocess.run([sys.executable, "-c", "import test_all; test_all._decode_linear_for_hopper()"],
-                         cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "0"})
-    assert res.returncode == 0, res.stderr[-3000:]
 
 
 @check
@@ -880,119 +760,31 @@ def test_rollout_logprobs_are_the_samplers():
 
 
 @check
-def test_decode_cuda_plans_and_compiles_for_hopper():
-    """decode_cuda's kernels, with no GPU here: plan gives each of a decode layer's four GEMMs a configuration at
-    1-16 rows on Qwen2.5 0.5B-7B, Llama 3.2 1B / 3.1 8B, Qwen3 0.6B / 1.7B and SmolLM2 shapes, but down_proj at 3B and
-    7B, which SERIAL_STAGES leaves to cuBLAS (whole K splits and chunks, a chunk a multiple of its warps' 16-column
-    mma steps, the norm and SiLU * up unsplit, a grid of whole splits, shared memory within Hopper's 227 KB a CTA and
-    two CTAs an SM where it says two; gate|up's first GLU_PREWAIT stages before the PDL wait, every other kernel's
-    whole first ring), and the ones the H200 sweeps found at 0.5B and 1.5B. With nvcc (13.0 here; skipped without),
-    the 0.5B and 1.5B kernels compile for sm_90 without spills, and in the PTX the weight copies come before the PDL
-    wait and the next kernel's launch after it: the order that lets the weights stream while the kernel before still
-    runs."""
-    import concurrent.futures
-    import re
-    import shutil
-    import subprocess
-    import tempfile
-    import decode_cuda as dc
-    shapes = dict(q05=(896, 4864, 14, 2, 64), q15=(1536, 8960, 12, 2, 128), q3=(2048, 11008, 16, 2, 128),
-                  q7=(3584, 18944, 28, 4, 128), l1=(2048, 8192, 32, 8, 64), l8=(4096, 14336, 32, 8, 128),
-                  qw06=(1024, 3072, 16, 8, 128), qw17=(2048, 6144, 16, 8, 128), smol=(576, 1536, 9, 3, 64))
-    plans = {}
-    for name, (H, I, nq, nkv, D) in shapes.items():
-        for M in range(1, 17):
-            for what, (N, K, norm, glu) in dict(qkv=((nq + 2 * nkv) * D, H, True, False), o=(H, nq * D, False, False),
-                                                gu=(I, H, True, True), down=(H, I, False, False)).items():
-                p = dc.plan(M, N, K, norm, glu, 132)
-                if what == "down" and name in ("q3", "q7"):  # K = 64 x 43 x 4, 64 x 37 x 8: one-slot ranges (torch)
-                    assert p is None, f"{name} down M={M}: {p}, a one-slot ring of more than SERIAL_STAGES stages"
-                    continue
-                assert p is not None, f"{name} {what} M={M}: no plan"
-                (d, grid), ntile = p, 2 if glu else 1
-                plans[(name, what, M)] = d
-                step, kc = 16 * d["NW"] // ntile, K // d["KS"]
-                assert K % d["KS"] == 0 and kc % d["KCH"] == 0 and d["KCH"] % step == 0, f"{name} {what} {M}: {d}"
-                assert d["KS"] == 1 or not (norm or glu), f"{name} {what}: the norm needs the whole K: {d}"
-                assert d["MT"] * 8 >= M and grid % d["KS"] == 0 and grid <= 2 * 132, f"{name} {what} {M}: {p}"
-                per_sm = 2 if grid > 132 else 1
-                assert dc.smem_bytes(d) <= 227 * 1024 and per_sm * (dc.smem_bytes(d) + 2048) <= 228 * 1024, \
-                    f"{name} {what} M={M}: {dc.smem_bytes(d)} B of shared memory, {per_sm} CTAs an SM"
-    assert dc.plan(17, 896, 896, False, False, 132) is None and dc.plan(8, 896, 900, False, False, 132) is None
-    sub = lambda d, **kw: all(d[k] == v for k, v in kw.items())  # noqa: E731
-    assert sub(plans["q05", "gu", 8], KCH=896, NST=3, PW=1) and sub(plans["q05", "down", 8], KS=4, NW=4, KCH=1216)
-    assert sub(plans["q15", "gu", 8], KCH=1536, NST=2, PW=1) and sub(plans["q15", "down", 8], KS=5, KCH=1792, NST=1)
-    assert all(d["PW"] == (min(d["NST"], dc.GLU_PREWAIT) if d["GLU"] else d["NST"]) for d in plans.values())
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        print("    (no nvcc: the sm_90 compile is not checked here)")
-        return
-    todo = {tuple(sorted(d.items())): d for (name, _, M), d in plans.items() if name in ("q05", "q15") and M in (8, 16)}
-    with tempfile.TemporaryDirectory() as tmp:
-        def build(i_d):
-            i, d = i_d
-            src = os.path.join(tmp, f"k{i}.cu")
-            with open(src, "w") as f:
-                f.write(dc.source(d))
-            out = "-ptx" if i == 0 else "-cubin"
-            res = subprocess.run([nvcc, "-arch=sm_90", out, "-std=c++17", "-Xptxas", "-v", "-o", src + ".out", src],
-                                 capture_output=True, text=True)
-            ptx = open(src + ".out").read() if i == 0 and res.returncode == 0 else ""
-            return d, res, ptx
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            for d, res, ptx in pool.map(build, enumerate(todo.values())):
-                assert res.returncode == 0, f"{d}: nvcc failed\n{res.stderr[-2000:]}"
-                spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
-                assert all(n == "0" for n in spills), f"{d}: register spills\n{res.stderr[-1000:]}"
-                if ptx:
-                    order = [ptx.find(t) for t in ("cp.async.bulk.shared", "griddepcontrol.wait",
-                                                   "griddepcontrol.launch_dependents")]
-                    assert -1 not in order and order == sorted(order), f"{d}: PTX order {order}"
-
-
-@check
 @_kv_one_thread
 def test_rollout_greedy_matches_hf_generate():
     """greedy generate_groups == model.generate on each prompt alone; mixed prompt lengths (left padding) and equal
     ones; sdpa and eager models; an EOS list that ends row 0 mid-way (the live rows are compacted into smaller
-    buckets, asserted), and one that ends every row by step 2 (the trailing all-padding columns are trimmed); the
-    triton GEMMs in small buckets and cuBLAS on the same folded weights in larger ones; the cuda GEMMs' plumbing
-    (the op nanogrpo::decode_linear_cuda with the norm's weight, eps, residual and SiLU * up as rollout passes them;
-    on the CPU it runs decode_linear_torch) in small buckets, cuBLAS in larger ones; RoPE in the attention op
-    (torch ops, and the Triton kernel)"""
-    import decode_cuda
-    from unittest import mock
+    buckets, asserted), and one that ends every row by step 2 (the trailing all-padding columns are trimmed); RoPE
+    in the attention op (torch ops, and the Triton kernel)"""
     G, T = 3, 12
-    with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True, DECODE_GEMM="torch",
-                        ATTENTION="auto", TRITON_GEMM_MAX_ROWS=4, CUDA_GEMM_MAX_ROWS=4,
-                        CUDA_GEMMS=("qkv", "o", "gate_up", "down")) \
-            as rollout, \
-            mock.patch.object(decode_cuda, "unsupported", lambda device, dtype: None):  # (9 slots: cuBLAS; <= 4
-        #                                                 theirs; cuda on the CPU: its plumbing, through the reference)
-        compacted, gemms = False, {"triton": set(), "cuda": set()}
-        for arch, attn, lens, fuse, gemm in (
-                ("llama", "sdpa", (7, 2, 4), True, "torch"), ("qwen2", "sdpa", (7, 2, 4), True, "torch"),
-                ("qwen2", "sdpa", (7, 7, 7), True, "torch"), ("llama", "eager", (7, 2, 4), False, "torch"),
-                ("qwen3", "sdpa", (3, 7, 5), True, "torch"), ("qwen3", "sdpa", (3, 7, 5), False, "torch"),
-                ("llama", "sdpa", (7, 2, 4), True, "triton"), ("qwen2", "sdpa", (7, 2, 4), True, "triton"),
-                ("qwen3", "sdpa", (3, 7, 5), True, "triton"), ("qwen2", "sdpa", (7, 2, 4), True, "cuda"),
-                ("qwen3", "sdpa", (3, 7, 5), True, "cuda")):
+    with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True, ATTENTION="auto") as rollout:
+        compacted = False
+        for arch, attn, lens, fuse in (
+                ("llama", "sdpa", (7, 2, 4), True), ("qwen2", "sdpa", (7, 2, 4), True),
+                ("qwen2", "sdpa", (7, 7, 7), True), ("llama", "eager", (7, 2, 4), False),
+                ("qwen3", "sdpa", (3, 7, 5), True), ("qwen3", "sdpa", (3, 7, 5), False)):
             rollout.FUSE = fuse  # decode_forward (fused q|k|v, gate|up) or the model's own forward
-            rollout.DECODE_GEMM = gemm  # decode_forward's GEMMs: F.linear, or decode_gemm.decode_linear
             model = _kv_model(arch, tied=arch == "qwen2", attn_implementation=attn)
             prompt_ids, prompt_mask, _, _ = _kv_batch(G=G, prompt_lens=lens, seed=3)
             free = _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=99999)
             for eos in ([free[0][3], 98], sorted({row[2] for row in free})):
-                name = f"{arch} {attn} {gemm} prompts {lens} eos {eos}"
+                name = f"{arch} {attn} fuse {fuse} prompts {lens} eos {eos}"
                 ref = _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=eos)
                 ids, mask = rollout.generate_groups(model, prompt_ids, prompt_mask, G, T, temperature=0.0,
                                                     eos_token_id=eos, pad_token_id=0)
                 compacted |= len(rollout.LAST["buckets"]) > 1
-                gemms.get(gemm, set()).update(rollout.LAST["gemms"])
                 assert rollout.LAST["fused"] == fuse, f"{name}: fused path {rollout.LAST['fused']}, want {fuse}"
-                assert rollout.LAST["gemm"] == (gemm if fuse else "torch"), f"{name}: gemm {rollout.LAST['gemm']}"
-                assert rollout.LAST["rope"] == ("epilogue" if gemm == "triton" else "attention" if fuse else
-                                                "torch"), f"{name}: {rollout.LAST['rope']}"
+                assert rollout.LAST["rope"] == ("attention" if fuse else "torch"), f"{name}: {rollout.LAST['rope']}"
                 assert ids.shape == mask.shape and ids.shape[0] == 3 * G, f"{name}: shapes"
                 lens_ref = [next((i + 1 for i, x in enumerate(row) if x in eos), len(row)) for row in ref]
                 assert ids.shape[1] == max(lens_ref), f"{name}: {ids.shape[1]} columns, want {max(lens_ref)}"
@@ -1002,8 +794,7 @@ def test_rollout_greedy_matches_hf_generate():
                     assert mask[r, :n].all() and not mask[r, n:].any() and (ids[r, n:] == 0).all(), f"{name} row {r}"
                 assert lens_ref[0] <= 4, f"{name}: EOS did not end row 0 early"
         assert compacted, "no call compacted its live rows into a smaller bucket"
-        assert gemms == {"triton": {"folded", "triton"}, "cuda": {"torch", "cuda"}}, f"custom GEMMs' buckets: {gemms}"
-        rollout.ATTENTION, rollout.DECODE_GEMM = "triton", "torch"  # the attention kernel (the interpreter) with
+        rollout.ATTENTION, rollout.FUSE = "triton", True  # the attention kernel (the interpreter) with
         model = _kv_model("qwen3", attn_implementation="sdpa")  # RoPE in it, as on a GPU: cos/sin through the op,
         prompt_ids, prompt_mask, _, _ = _kv_batch(G=G, prompt_lens=(3, 7, 5), seed=3)  # q|k|v's strides
         ref = _kv_generate_reference(model, prompt_ids, prompt_mask, 6, eos=99999)
@@ -1037,8 +828,7 @@ def test_rollout_decode_parts_compile_once():
     nanogrpo::decode_attention between them) each trace as ONE graph under torch.compile(fullgraph=True) (a graph
     break raises) through the trainer's path (run_compiled); the layers share decode_between's graph (3 layers: it
     runs twice a step), a smaller bucket after compaction reuses them (dynamic shapes), and the tokens are
-    model.generate's greedy ones; with its GEMMs on cuBLAS and as the op nanogrpo::decode_linear (DECODE_GEMM).
-    aot_eager on the CPU: no C++ compiler needed; inductor on the GPU is what CUDA runs (COMPILE)."""
+    model.generate's greedy ones. aot_eager on the CPU: no C++ compiler needed; inductor on the GPU."""
     import rollout
     from torch._dynamo.utils import counters
     model = _kv_model("qwen3", num_hidden_layers=3)  # q/k norms: the widest of the three layer shapes
@@ -1046,34 +836,26 @@ def test_rollout_decode_parts_compile_once():
     free = _kv_generate_reference(model, prompt_ids, prompt_mask, 12, eos=99999)
     eos = [free[0][3], free[1][3]]  # two of three groups end at token 3: the live third fits a bucket of 4 < 9 / 2
     ref = _kv_generate_reference(model, prompt_ids, prompt_mask, 12, eos=eos)
-    import decode_cuda
-    from unittest import mock
-    for gemm, max_rows in (("torch", 16), ("triton", 16), ("triton", 4), ("cuda", 4)):  # (triton: the op
-        torch._dynamo.reset()                       # nanogrpo::decode_linear inside the graphs; 4: cuBLAS (on the
-        rollout.COMPILED.clear()                    # folded W for triton) in the 9-slot bucket; cuda: the op
-        counters.clear()                            # nanogrpo::decode_linear_cuda, on the CPU its reference)
-        try:
-            with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True, DECODE_GEMM=gemm,
-                                TRITON_GEMM_MAX_ROWS=max_rows, CUDA_GEMM_MAX_ROWS=max_rows,
-                                CUDA_GEMMS=("qkv", "o", "gate_up", "down"), COMPILE_BACKEND="aot_eager",
-                                COMPILE_MIN_TOKENS=1) as r, \
-                    mock.patch.object(decode_cuda, "unsupported", lambda device, dtype: None):
-                ids, mask = r.generate_groups(model, prompt_ids, prompt_mask, 3, 12, temperature=0.0,
-                                              eos_token_id=eos, pad_token_id=0)
-                last = dict(r.LAST)
-        finally:
-            torch._dynamo.reset()
-            rollout.COMPILED.clear()
-        assert last["compiled"] and "compile_error" not in last, f"{gemm}: {last}"
-        assert len(last["buckets"]) > 1 and last["gemm"] == gemm, f"{gemm}: buckets {last['buckets']}, {last}"
-        assert max_rows > 9 or last["gemms"][0] == {"triton": "folded", "cuda": "torch"}[gemm], \
-            f"{gemm} {max_rows}: {last['gemms']}"
-        graphs, kinds = counters["stats"]["unique_graphs"], len(set(last["gemms"]))
-        assert graphs == 3 * kinds, f"{gemm}: {graphs} graphs for buckets {last['buckets']} ({kinds} GEMM kinds): " \
-            "a recompile per layer or per bucket"  # (the GEMM kind is part of the trace: folded vs triton, ...)
-        for row in range(ids.shape[0]):
-            n = int(mask[row].sum())
-            assert ids[row, :n].tolist() == ref[row // 3][:n], f"{gemm}: row {row}"
+    torch._dynamo.reset()
+    rollout.COMPILED.clear()
+    counters.clear()
+    try:
+        with _rollout_knobs(MIN_BUCKET=1, COMPACT_MIN_STEPS=1, CHECK_EVERY=2, FUSE=True, COMPILE_BACKEND="aot_eager",
+                            COMPILE_MIN_TOKENS=1) as r:
+            ids, mask = r.generate_groups(model, prompt_ids, prompt_mask, 3, 12, temperature=0.0, eos_token_id=eos,
+                                          pad_token_id=0)
+            last = dict(r.LAST)
+    finally:
+        torch._dynamo.reset()
+        rollout.COMPILED.clear()
+    assert last["compiled"] and "compile_error" not in last, last
+    assert len(last["buckets"]) > 1, f"buckets {last['buckets']}: no compaction"
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 3, f"{graphs} graphs for buckets {last['buckets']}: a recompile per layer or per bucket"
+    for row in range(ids.shape[0]):
+        n = int(mask[row].sum())
+        assert ids[row, :n].tolist() == ref[row // 3][:n], f"row {row}"
+
 
 @check
 @_kv_one_thread
@@ -1176,10 +958,10 @@ if GPU:
             for compile_ in (False, True):
                 out = {}
                 for graph in (True, False):
-                    with _rollout_knobs(CUDA_GRAPH=graph, COMPILE=compile_):
+                    with _rollout_knobs(CUDA_GRAPH=graph):
                         torch.manual_seed(5)
                         out[graph] = rollout.generate_groups(model, ids, mask, 16, 600, temperature=temperature,
-                                                             eos_token_id=eos, pad_token_id=0)
+                                                             eos_token_id=eos, pad_token_id=0, compile=compile_)
                         buckets = rollout.LAST["buckets"]
                 name = f"T={temperature} compile={compile_}"
                 assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1]), name
@@ -2010,8 +1792,8 @@ def test_lora_gradients_equal_peft():
 @_kv_one_thread
 def test_lora_decode_folds_adapters_greedy_equal_peft():
     """the decode engine folds each adapter into the weights it fuses (W + (alpha/r) B A, o_proj and down_proj too):
-    its greedy tokens are PEFT's generate's, on the fused path (LAST["fused"]) with cuBLAS and with the Triton decode
-    GEMMs, and the folded q|k|v weight is the base's plus the scaled product"""
+    its greedy tokens are PEFT's generate's, on the fused path (LAST["fused"]), and the folded q|k|v weight is the
+    base's plus the scaled product"""
     if not _have("peft"):
         print("  (peft not installed: skipped)")
         return
@@ -2019,13 +1801,11 @@ def test_lora_decode_folds_adapters_greedy_equal_peft():
     ours, pm = _lora_pair("qwen3")
     prompt_ids, prompt_mask, _, _ = _kv_batch(G=2, prompt_lens=(7, 2, 4), seed=8)
     ref = _kv_generate_reference(pm, prompt_ids, prompt_mask, 10, eos=99999)
-    for gemm in ("torch", "triton"):  # (triton: decode_linear reads the folded weights)
-        with _rollout_knobs(DECODE_GEMM=gemm) as r:
-            ids, _ = r.generate_groups(ours, prompt_ids, prompt_mask, 2, 10, temperature=0.0, eos_token_id=99999,
-                                       pad_token_id=0)
-            assert r.LAST["fused"] and r.LAST["gemm"] == gemm, f"a LoRA model left the fused decode: {r.LAST}"
-        for row in range(ids.shape[0]):
-            assert ids[row].tolist() == ref[row // 2][:10], f"{gemm}: row {row}"
+    ids, _ = rollout.generate_groups(ours, prompt_ids, prompt_mask, 2, 10, temperature=0.0, eos_token_id=99999,
+                                     pad_token_id=0)
+    assert rollout.LAST["fused"], f"a LoRA model left the fused decode: {rollout.LAST}"
+    for row in range(ids.shape[0]):
+        assert ids[row].tolist() == ref[row // 2][:10], f"row {row}"
     q = ours.model.layers[0].self_attn.q_proj
     w_qkv = rollout.fuse_projections(ours)[0][0]
     want = q.base_layer.weight + q.scaling["default"] * q.lora_B["default"].weight @ q.lora_A["default"].weight
@@ -2576,7 +2356,7 @@ def test_bench_e2e_torchrun_cells_parse():
     any GPU work: how the torchrun cells failed on their first 2-GPU machine)"""
     import bench_e2e
     from torch.distributed.run import get_args_parser
-    args = ["rollout.COMPILE=False", "--prompts_per_step=16", "--fsdp=True", "--model=/tmp/m", "--out_dir=/tmp/o"]
+    args = ["--compile=False", "--prompts_per_step=16", "--fsdp=True", "--model=/tmp/m", "--out_dir=/tmp/o"]
     for nproc in (2, 4):
         cmd = bench_e2e.cell_command(nproc, args)
         assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
