@@ -1,9 +1,12 @@
 """
-nanoGRPO's checks, plain `python test_all.py` (no pytest). One line per check, then `N passed, N failed`.
+nanoGRPO's checks, plain `python test_all.py` (no pytest). One line per check (PASS, FAIL or SKIP), then
+`N passed, N failed, N skipped`; the exit status is 1 on any failure. A check that cannot run here (it needs a GPU,
+or an optional package is missing) raises Skip with the reason: it is counted as a skip, never as a pass.
 `python test_all.py WORD` runs only the checks whose name contains WORD.
 
 With no GPU, Triton kernels run under TRITON_INTERPRET=1 (set here, before triton is imported). The interpreter's
-tl.dot is wrong on bfloat16 (triton #11584), so CPU parity runs fp32/fp16; bf16 is checked on the GPU only.
+tl.dot is wrong on bfloat16 (triton #11584), so CPU kernel parity runs fp32/fp16 and the bf16 kernels are checked on
+the GPU only; the bf16 training step (torch's chunked log-probs) runs on the CPU too.
 """
 import contextlib
 import math
@@ -27,6 +30,22 @@ CHECKS = []
 def check(fn):
     CHECKS.append(fn)
     return fn
+
+
+class Skip(Exception):
+    """raised by a check that cannot run here, with the reason: the runner prints SKIP and counts it apart"""
+
+
+def gpu_only(fn):
+    """a check that needs a GPU: on the CPU it is a skip"""
+    import functools
+
+    @functools.wraps(fn)
+    def run():
+        if not GPU:
+            raise Skip("needs a GPU")
+        return fn()
+    return run
 
 
 def assert_close(got, want, rtol, name=""):
@@ -304,26 +323,29 @@ def test_logprobs_naive_and_chunked_vs_fp64():
         _logprobs.CHUNK_BYTES = saved
 
 
-if GPU:
-    @check
-    def test_kernel_int64_offsets_gpu():
-        # N * V >= 2**31: flat offsets into an (N, V) index space overflow int32
-        N, H, V = 16500, 64, 131072
-        h, w, t, g, ge = _kl_data(N, H, V, torch.bfloat16, seed=12, scale=3.0)
-        got = _kl_run(fused_logprobs, h, w, t, 1.0, g, ge)
-        want = _logprobs.reference(h.detach(), w.detach(), t, 1.0, g, ge, torch.float32)
-        _kl_compare(got, want, 1e-5, 2e-2, "int64")
+@check
+@gpu_only
+def test_kernel_int64_offsets_gpu():
+    # N * V >= 2**31: flat offsets into an (N, V) index space overflow int32
+    N, H, V = 16500, 64, 131072
+    h, w, t, g, ge = _kl_data(N, H, V, torch.bfloat16, seed=12, scale=3.0)
+    got = _kl_run(fused_logprobs, h, w, t, 1.0, g, ge)
+    want = _logprobs.reference(h.detach(), w.detach(), t, 1.0, g, ge, torch.float32)
+    _kl_compare(got, want, 1e-5, 2e-2, "int64")
 
-    @check
-    def test_kernel_bf16_grads_no_worse_than_naive_gpu():
-        h, w, t, g, ge = _kl_data(2048, 1024, 32000, torch.bfloat16, seed=13, scale=4.0)
-        want = _logprobs.reference(h.detach(), w.detach(), t, 1.0, g, ge, torch.float64)
-        fused = _kl_run(fused_logprobs, h, w, t, 1.0, g, ge)
-        naive = _kl_run(lambda *a: token_logprobs(*a, impl="naive"), h, w, t, 1.0, g, ge)
-        for i, n in enumerate(("logp", "ent", "dH", "dW")):
-            ef = assert_close(fused[i], want[i], 1e-5 if i < 2 else 2e-2, f"fused {n}")
-            en = assert_close(naive[i], want[i], 1.0, f"naive {n}")
-            assert ef <= en * 1.05, f"fused {n} error {ef:.2e} worse than naive bf16 {en:.2e}"
+
+@check
+@gpu_only
+def test_kernel_bf16_grads_no_worse_than_naive_gpu():
+    h, w, t, g, ge = _kl_data(2048, 1024, 32000, torch.bfloat16, seed=13, scale=4.0)
+    want = _logprobs.reference(h.detach(), w.detach(), t, 1.0, g, ge, torch.float64)
+    fused = _kl_run(fused_logprobs, h, w, t, 1.0, g, ge)
+    naive = _kl_run(lambda *a: token_logprobs(*a, impl="naive"), h, w, t, 1.0, g, ge)
+    for i, n in enumerate(("logp", "ent", "dH", "dW")):
+        ef = assert_close(fused[i], want[i], 1e-5 if i < 2 else 2e-2, f"fused {n}")
+        en = assert_close(naive[i], want[i], 1.0, f"naive {n}")
+        assert ef <= en * 1.05, f"fused {n} error {ef:.2e} worse than naive bf16 {en:.2e}"
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # kv_reuse.py
@@ -1650,8 +1672,7 @@ def test_batching_loss_matches_trl_compute_loss():
     import batching
     fns = _trl_compute_loss()
     if fns is None:
-        print("  (trl not installed: skipped)")
-        return
+        raise Skip("trl not installed (pip install trl==1.16.0)")
     compute_loss, high_entropy_mask = fns
     torch.manual_seed(0)
     R, C, L = 4, 5, 6
@@ -1970,8 +1991,7 @@ def test_lora_gradients_equal_peft():
     checkpointing on) gives the adapters the gradients PEFT's own forward/backward gives them on the same batch, and
     the frozen base none; lora.disabled() is the base model"""
     if not _have("peft"):
-        print("  (peft not installed: skipped)")
-        return
+        raise Skip("peft not installed")
     import batching
     import lora
     ours, pm = _lora_pair()
@@ -2013,8 +2033,7 @@ def test_lora_decode_folds_adapters_greedy_equal_peft():
     its greedy tokens are PEFT's generate's, on the fused path (LAST["fused"]) with cuBLAS and with the Triton decode
     GEMMs, and the folded q|k|v weight is the base's plus the scaled product"""
     if not _have("peft"):
-        print("  (peft not installed: skipped)")
-        return
+        raise Skip("peft not installed")
     import rollout
     ours, pm = _lora_pair("qwen3")
     prompt_ids, prompt_mask, _, _ = _kv_batch(G=2, prompt_lens=(7, 2, 4), seed=8)
@@ -2051,8 +2070,7 @@ def test_lora_run_saves_peft_adapter_and_resumes():
         importlib.util.find_spec = real
     assert "--fsdp=False" in " ".join(config.lora_errors(config.parse_config(["--lora_r=4"]), 2))
     if not _have("peft"):
-        print("  (peft not installed: the run skipped)")
-        return
+        raise Skip("peft not installed: the run with --lora_r is not checked")
     from peft import PeftModel
     out = tempfile.mkdtemp(prefix="nanogrpo_lora_")
     _write(os.path.join(out, "by_len.py"), "def reward(text, example):\n    return float(len(text)), False\n")
@@ -2748,7 +2766,7 @@ if __name__ == "__main__":
     words = sys.argv[1:]
     todo = [fn for fn in CHECKS if not words or any(w in fn.__name__ for w in words)]
     print(f"device={DEVICE} torch={torch.__version__} TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
-    passed = failed = 0
+    passed = failed = skipped = 0
     t_all = time.time()
     for fn in todo:
         t0 = time.time()
@@ -2756,10 +2774,13 @@ if __name__ == "__main__":
             fn()
             passed += 1
             print(f"PASS {fn.__name__} ({time.time() - t0:.1f}s)", flush=True)
+        except Skip as e:
+            skipped += 1
+            print(f"SKIP {fn.__name__} ({time.time() - t0:.1f}s): {e}", flush=True)
         except Exception as e:  # noqa: BLE001 - report every failing check, keep going
             failed += 1
             print(f"FAIL {fn.__name__} ({time.time() - t0:.1f}s): {type(e).__name__}: {e}", flush=True)
             traceback.print_exc(limit=4)
     print(f"total {time.time() - t_all:.0f}s")
-    print(f"{passed} passed, {failed} failed")
+    print(f"{passed} passed, {failed} failed, {skipped} skipped")
     sys.exit(1 if failed or not todo else 0)
