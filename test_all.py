@@ -1458,6 +1458,64 @@ def test_grpo_bf16_policy_keeps_rope_float32():
             assert torch.equal(model(ids).logits, want), f"{name}: logits differ from from_pretrained(bfloat16)"
     assert all(m.dtype == torch.float32 for m in master), "masters not float32"
 
+
+@check
+@_kv_one_thread
+def test_batching_bf16_update_step_close_to_float32():
+    """the default dtype, bfloat16, through the trainer's own step on the CPU, as grpo.run makes it: make_optimizer's
+    bf16 model with float32 masters, a bf16 reference (cast_parameters), prepare_buffer's old/ref log-probs, then
+    update_step (3 micro-batches, kv_reuse on, off-policy old log-probs, a k3 KL term), AdamW on the masters, rounded
+    back into the model. The loss and each parameter's gradient, as AdamW gets it, are finite and close to the same
+    step in float32; every parameter moved, and the model holds its masters rounded to bf16"""
+    import copy
+    import batching
+    import checkpoint
+    import grpo
+    _, buf0, rewards = _tiny_buffer()
+    runs = {}
+    for dt in (torch.float32, torch.bfloat16):
+        cfg = _trainer_cfg(dtype=str(dt).split(".")[1], kv_reuse=True, micro_batch_tokens=40, num_iterations=2,
+                           beta=0.1, lr=1e-2)  # 40 tokens: one group (7 + 4 x 6) a micro-batch
+        policy = checkpoint.load_model(_tiny_model_dir(), torch.device("cpu"))  # float32, as grpo.run loads it
+        ref = copy.deepcopy(policy)
+        torch.manual_seed(2)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(0.01 * torch.randn_like(p))  # a reference that differs, so the KL term has a gradient
+        ref = grpo.cast_parameters(ref, dt)
+        start = [p.detach().clone() for p in policy.parameters()]
+        optimizer, master = grpo.make_optimizer(policy, cfg, dt)
+        assert all(p.dtype == dt for p in policy.parameters()) and (master is None) == (dt == torch.float32)
+        grads = []  # (update_step zeroes them after the step)
+        optimizer.register_step_pre_hook(lambda opt, *_: grads.extend(p.grad.clone() for p in
+                                                                      opt.param_groups[0]["params"]))
+        buf = dict(buf0)
+        torch.manual_seed(3)
+        steps, _ = batching.prepare_buffer(policy, ref, buf, rewards, cfg)
+        assert len(steps) == 1 and len(steps[0]) == 3, steps
+        torch.manual_seed(7)  # off the sampling policy, so the ratio is not 1 and the loss depends on the log-probs
+        buf["old_logp"] += 0.3 * torch.randn_like(buf["old_logp"]) * buf["completion_mask"]
+        policy.train()
+        stats = batching.update_step(policy, optimizer, buf, steps[0], cfg, master)
+        runs[dt] = stats, grads, start, list(policy.parameters()), master
+    (want, want_grads, *_), (got, grads, start, params, master) = runs[torch.float32], runs[torch.bfloat16]
+    names = [n for n, _ in checkpoint.load_model(_tiny_model_dir(), torch.device("cpu")).named_parameters()]
+    assert len(grads) == len(want_grads) == len(names), (len(grads), len(want_grads), len(names))
+    # bf16 keeps 8 significant bits (a rounding is up to 2^-9 relative): through 2 layers, 3 micro-batches summed in
+    # a bf16 .grad and the float32 log-prob/loss math, each parameter's gradient here is 0.6-1.2% off float32's and
+    # the loss <1e-4, so the bounds are 3% (~2.5x) and 1e-3 (~10x). A zero or NaN gradient, a micro-batch left out
+    # of the sum or a flipped sign is off by 10-200%.
+    loss, loss32, norm, norm32 = got["loss"], want["loss"], got["grad_norm"], want["grad_norm"]
+    assert math.isfinite(loss) and abs(loss - loss32) <= 1e-3 * abs(loss32), f"bf16 loss {loss} vs float32 {loss32}"
+    assert abs(norm - norm32) <= 3e-2 * norm32, f"bf16 gradient norm {norm} vs float32 {norm32}"
+    for n, g, w, p, p0, m in zip(names, grads, want_grads, params, start, master):
+        assert g.dtype == torch.float32 and w.norm() > 0, (n, g.dtype)  # (masters' gradients: float32)
+        assert_close(g, w, 3e-2, f"bf16 gradient of {n}")
+        moved = (p != p0.to(torch.bfloat16)).float().mean().item()
+        assert moved > 0.9, f"{n}: {moved:.1%} of the bf16 weights moved"  # (lr 1e-2: every nonzero gradient's)
+        assert torch.equal(p, m.to(torch.bfloat16)), f"{n}: the model does not hold its float32 master, rounded"
+
+
 def _dist_cfg(name):
     """dapo, grpo: the loss normalizers; entropy_batch: the two statistics over the whole batch (the entropy mask's
     quantile threshold, the rewards' std), gathered over the ranks"""
