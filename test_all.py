@@ -1180,44 +1180,44 @@ def test_rollout_uncompilable_model_falls_back_with_one_line():
         assert ids[row].tolist() == ref[row // 2][:6], f"row {row}"
 
 
-if GPU:
-    @check
-    @_kv_one_thread
-    def test_rollout_graph_equals_eager_steady_memory_gpu():
-        """at long lengths with rows ending early (compaction), the CUDA-graph decode gives the eager decode's tokens,
-        greedy and sampled, compiled and not; the compiled forward's logits match the plain one's; repeated calls
-        stop growing reserved memory (a fresh capture stream per call once stranded every warm-up's blocks)"""
-        import rollout
-        model = _kv_model("llama", vocab_size=4000, hidden_size=256, head_dim=64, intermediate_size=512)
-        ids = torch.randint(3, 4000, (4, 96), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-        mask = torch.ones_like(ids)
-        mask[1, :40] = 0
-        eos = list(range(3, 4000, 400))  # ~1/400 per token: lengths spread over the 600 steps
-        greedy = {}
-        for temperature in (0.0, 1.0):
-            for compile_ in (False, True):
-                out = {}
-                for graph in (True, False):
-                    with _rollout_knobs(CUDA_GRAPH=graph, COMPILE=compile_):
-                        torch.manual_seed(5)
-                        out[graph] = rollout.generate_groups(model, ids, mask, 16, 600, temperature=temperature,
-                                                             eos_token_id=eos, pad_token_id=0)
-                        buckets = rollout.LAST["buckets"]
-                name = f"T={temperature} compile={compile_}"
-                assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1]), name
-                if temperature > 0:  # (greedy on a random model repeats itself and never reaches EOS)
-                    assert len(buckets) > 1 and out[True][0].shape[1] > 100, f"{name}: {buckets}, {out[True][0].shape}"
-                if temperature == 0:  # fp32 here: torch.compile's fused kernels change no greedy token
-                    greedy[compile_] = out[True]
-        assert torch.equal(greedy[False][0], greedy[True][0]), "compiled decode != plain decode (greedy, fp32)"
-        reserved = []
-        for i in range(10):
-            P = (20, 35, 50)[i % 3]
-            x = torch.randint(3, 4000, (16, P), generator=torch.Generator().manual_seed(i)).to(DEVICE)
-            rollout.generate_groups(model, x, torch.ones_like(x), 8, 24, temperature=1.0, eos_token_id=2)
-            reserved.append(torch.cuda.memory_reserved())
-        grew = (reserved[-1] - reserved[3]) / 2**20
-        assert grew <= 4, f"reserved memory grew {grew:.0f} MiB over 6 repeated calls: {reserved}"
+@check
+@gpu_only
+@_kv_one_thread
+def test_rollout_graph_equals_eager_steady_memory_gpu():
+    """at long lengths with rows ending early (compaction), the CUDA-graph decode gives the eager decode's tokens,
+    greedy and sampled, compiled and not; the compiled forward's logits match the plain one's; repeated calls
+    stop growing reserved memory (a fresh capture stream per call once stranded every warm-up's blocks)"""
+    import rollout
+    model = _kv_model("llama", vocab_size=4000, hidden_size=256, head_dim=64, intermediate_size=512)
+    ids = torch.randint(3, 4000, (4, 96), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0
+    eos = list(range(3, 4000, 400))  # ~1/400 per token: lengths spread over the 600 steps
+    greedy = {}
+    for temperature in (0.0, 1.0):
+        for compile_ in (False, True):
+            out = {}
+            for graph in (True, False):
+                with _rollout_knobs(CUDA_GRAPH=graph, COMPILE=compile_):
+                    torch.manual_seed(5)
+                    out[graph] = rollout.generate_groups(model, ids, mask, 16, 600, temperature=temperature,
+                                                         eos_token_id=eos, pad_token_id=0)
+                    buckets = rollout.LAST["buckets"]
+            name = f"T={temperature} compile={compile_}"
+            assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1]), name
+            if temperature > 0:  # (greedy on a random model repeats itself and never reaches EOS)
+                assert len(buckets) > 1 and out[True][0].shape[1] > 100, f"{name}: {buckets}, {out[True][0].shape}"
+            if temperature == 0:  # fp32 here: torch.compile's fused kernels change no greedy token
+                greedy[compile_] = out[True]
+    assert torch.equal(greedy[False][0], greedy[True][0]), "compiled decode != plain decode (greedy, fp32)"
+    reserved = []
+    for i in range(10):
+        P = (20, 35, 50)[i % 3]
+        x = torch.randint(3, 4000, (16, P), generator=torch.Generator().manual_seed(i)).to(DEVICE)
+        rollout.generate_groups(model, x, torch.ones_like(x), 8, 24, temperature=1.0, eos_token_id=2)
+        reserved.append(torch.cuda.memory_reserved())
+    grew = (reserved[-1] - reserved[3]) / 2**20
+    assert grew <= 4, f"reserved memory grew {grew:.0f} MiB over 6 repeated calls: {reserved}"
 
 
 @check
