@@ -1,9 +1,12 @@
 """
-nanoGRPO's checks, plain `python test_all.py` (no pytest). One line per check, then `N passed, N failed`.
+nanoGRPO's checks, plain `python test_all.py` (no pytest). One line per check (PASS, FAIL or SKIP), then
+`N passed, N failed, N skipped`; the exit status is 1 on any failure. A check that cannot run here (it needs a GPU,
+or an optional package is missing) raises Skip with the reason: it is counted as a skip, never as a pass.
 `python test_all.py WORD` runs only the checks whose name contains WORD.
 
 With no GPU, Triton kernels run under TRITON_INTERPRET=1 (set here, before triton is imported). The interpreter's
-tl.dot is wrong on bfloat16 (triton #11584), so CPU parity runs fp32/fp16; bf16 is checked on the GPU only.
+tl.dot is wrong on bfloat16 (triton #11584), so CPU kernel parity runs fp32/fp16 and the bf16 kernels are checked on
+the GPU only; the bf16 training step (torch's chunked log-probs) runs on the CPU too.
 """
 import contextlib
 import math
@@ -27,6 +30,22 @@ CHECKS = []
 def check(fn):
     CHECKS.append(fn)
     return fn
+
+
+class Skip(Exception):
+    """raised by a check that cannot run here, with the reason: the runner prints SKIP and counts it apart"""
+
+
+def gpu_only(fn):
+    """a check that needs a GPU: on the CPU it is a skip"""
+    import functools
+
+    @functools.wraps(fn)
+    def run():
+        if not GPU:
+            raise Skip("needs a GPU")
+        return fn()
+    return run
 
 
 def assert_close(got, want, rtol, name=""):
@@ -303,26 +322,29 @@ def test_logprobs_naive_and_chunked_vs_fp64():
         _logprobs.CHUNK_BYTES = saved
 
 
-if GPU:
-    @check
-    def test_kernel_int64_offsets_gpu():
-        # N * V >= 2**31: flat offsets into an (N, V) index space overflow int32
-        N, H, V = 16500, 64, 131072
-        h, w, t, g, ge = _kl_data(N, H, V, torch.bfloat16, seed=12, scale=3.0)
-        got = _kl_run(fused_logprobs, h, w, t, 1.0, g, ge)
-        want = _logprobs.reference(h.detach(), w.detach(), t, 1.0, g, ge, torch.float32)
-        _kl_compare(got, want, 1e-5, 2e-2, "int64")
+@check
+@gpu_only
+def test_kernel_int64_offsets_gpu():
+    # N * V >= 2**31: flat offsets into an (N, V) index space overflow int32
+    N, H, V = 16500, 64, 131072
+    h, w, t, g, ge = _kl_data(N, H, V, torch.bfloat16, seed=12, scale=3.0)
+    got = _kl_run(fused_logprobs, h, w, t, 1.0, g, ge)
+    want = _logprobs.reference(h.detach(), w.detach(), t, 1.0, g, ge, torch.float32)
+    _kl_compare(got, want, 1e-5, 2e-2, "int64")
 
-    @check
-    def test_kernel_bf16_grads_no_worse_than_naive_gpu():
-        h, w, t, g, ge = _kl_data(2048, 1024, 32000, torch.bfloat16, seed=13, scale=4.0)
-        want = _logprobs.reference(h.detach(), w.detach(), t, 1.0, g, ge, torch.float64)
-        fused = _kl_run(fused_logprobs, h, w, t, 1.0, g, ge)
-        naive = _kl_run(lambda *a: token_logprobs(*a, impl="naive"), h, w, t, 1.0, g, ge)
-        for i, n in enumerate(("logp", "ent", "dH", "dW")):
-            ef = assert_close(fused[i], want[i], 1e-5 if i < 2 else 2e-2, f"fused {n}")
-            en = assert_close(naive[i], want[i], 1.0, f"naive {n}")
-            assert ef <= en * 1.05, f"fused {n} error {ef:.2e} worse than naive bf16 {en:.2e}"
+
+@check
+@gpu_only
+def test_kernel_bf16_grads_no_worse_than_naive_gpu():
+    h, w, t, g, ge = _kl_data(2048, 1024, 32000, torch.bfloat16, seed=13, scale=4.0)
+    want = _logprobs.reference(h.detach(), w.detach(), t, 1.0, g, ge, torch.float64)
+    fused = _kl_run(fused_logprobs, h, w, t, 1.0, g, ge)
+    naive = _kl_run(lambda *a: token_logprobs(*a, impl="naive"), h, w, t, 1.0, g, ge)
+    for i, n in enumerate(("logp", "ent", "dH", "dW")):
+        ef = assert_close(fused[i], want[i], 1e-5 if i < 2 else 2e-2, f"fused {n}")
+        en = assert_close(naive[i], want[i], 1.0, f"naive {n}")
+        assert ef <= en * 1.05, f"fused {n} error {ef:.2e} worse than naive bf16 {en:.2e}"
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # kv_reuse.py
@@ -940,44 +962,44 @@ def test_rollout_uncompilable_model_falls_back_with_one_line():
         assert ids[row].tolist() == ref[row // 2][:6], f"row {row}"
 
 
-if GPU:
-    @check
-    @_kv_one_thread
-    def test_rollout_graph_equals_eager_steady_memory_gpu():
-        """at long lengths with rows ending early (compaction), the CUDA-graph decode gives the eager decode's tokens,
-        greedy and sampled, compiled and not; the compiled forward's logits match the plain one's; repeated calls
-        stop growing reserved memory (a fresh capture stream per call once stranded every warm-up's blocks)"""
-        import rollout
-        model = _kv_model("llama", vocab_size=4000, hidden_size=256, head_dim=64, intermediate_size=512)
-        ids = torch.randint(3, 4000, (4, 96), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-        mask = torch.ones_like(ids)
-        mask[1, :40] = 0
-        eos = list(range(3, 4000, 400))  # ~1/400 per token: lengths spread over the 600 steps
-        greedy = {}
-        for temperature in (0.0, 1.0):
-            for compile_ in (False, True):
-                out = {}
-                for graph in (True, False):
-                    with _rollout_knobs(CUDA_GRAPH=graph):
-                        torch.manual_seed(5)
-                        out[graph] = rollout.generate_groups(model, ids, mask, 16, 600, temperature=temperature,
-                                                             eos_token_id=eos, pad_token_id=0, compile=compile_)
-                        buckets = rollout.LAST["buckets"]
-                name = f"T={temperature} compile={compile_}"
-                assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1]), name
-                if temperature > 0:  # (greedy on a random model repeats itself and never reaches EOS)
-                    assert len(buckets) > 1 and out[True][0].shape[1] > 100, f"{name}: {buckets}, {out[True][0].shape}"
-                if temperature == 0:  # fp32 here: torch.compile's fused kernels change no greedy token
-                    greedy[compile_] = out[True]
-        assert torch.equal(greedy[False][0], greedy[True][0]), "compiled decode != plain decode (greedy, fp32)"
-        reserved = []
-        for i in range(10):
-            P = (20, 35, 50)[i % 3]
-            x = torch.randint(3, 4000, (16, P), generator=torch.Generator().manual_seed(i)).to(DEVICE)
-            rollout.generate_groups(model, x, torch.ones_like(x), 8, 24, temperature=1.0, eos_token_id=2)
-            reserved.append(torch.cuda.memory_reserved())
-        grew = (reserved[-1] - reserved[3]) / 2**20
-        assert grew <= 4, f"reserved memory grew {grew:.0f} MiB over 6 repeated calls: {reserved}"
+@check
+@gpu_only
+@_kv_one_thread
+def test_rollout_graph_equals_eager_steady_memory_gpu():
+    """at long lengths with rows ending early (compaction), the CUDA-graph decode gives the eager decode's tokens,
+    greedy and sampled, compiled and not; the compiled forward's logits match the plain one's; repeated calls
+    stop growing reserved memory (a fresh capture stream per call once stranded every warm-up's blocks)"""
+    import rollout
+    model = _kv_model("llama", vocab_size=4000, hidden_size=256, head_dim=64, intermediate_size=512)
+    ids = torch.randint(3, 4000, (4, 96), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0
+    eos = list(range(3, 4000, 400))  # ~1/400 per token: lengths spread over the 600 steps
+    greedy = {}
+    for temperature in (0.0, 1.0):
+        for compile_ in (False, True):
+            out = {}
+            for graph in (True, False):
+                with _rollout_knobs(CUDA_GRAPH=graph):
+                    torch.manual_seed(5)
+                    out[graph] = rollout.generate_groups(model, ids, mask, 16, 600, temperature=temperature,
+                                                         eos_token_id=eos, pad_token_id=0, compile=compile_)
+                    buckets = rollout.LAST["buckets"]
+            name = f"T={temperature} compile={compile_}"
+            assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1]), name
+            if temperature > 0:  # (greedy on a random model repeats itself and never reaches EOS)
+                assert len(buckets) > 1 and out[True][0].shape[1] > 100, f"{name}: {buckets}, {out[True][0].shape}"
+            if temperature == 0:  # fp32 here: torch.compile's fused kernels change no greedy token
+                greedy[compile_] = out[True]
+    assert torch.equal(greedy[False][0], greedy[True][0]), "compiled decode != plain decode (greedy, fp32)"
+    reserved = []
+    for i in range(10):
+        P = (20, 35, 50)[i % 3]
+        x = torch.randint(3, 4000, (16, P), generator=torch.Generator().manual_seed(i)).to(DEVICE)
+        rollout.generate_groups(model, x, torch.ones_like(x), 8, 24, temperature=1.0, eos_token_id=2)
+        reserved.append(torch.cuda.memory_reserved())
+    grew = (reserved[-1] - reserved[3]) / 2**20
+    assert grew <= 4, f"reserved memory grew {grew:.0f} MiB over 6 repeated calls: {reserved}"
 
 
 @check
@@ -1218,6 +1240,64 @@ def test_grpo_bf16_policy_keeps_rope_float32():
             assert torch.equal(model(ids).logits, want), f"{name}: logits differ from from_pretrained(bfloat16)"
     assert all(m.dtype == torch.float32 for m in master), "masters not float32"
 
+
+@check
+@_kv_one_thread
+def test_batching_bf16_update_step_close_to_float32():
+    """the default dtype, bfloat16, through the trainer's own step on the CPU, as grpo.run makes it: make_optimizer's
+    bf16 model with float32 masters, a bf16 reference (cast_parameters), prepare_buffer's old/ref log-probs, then
+    update_step (3 micro-batches, kv_reuse on, off-policy old log-probs, a k3 KL term), AdamW on the masters, rounded
+    back into the model. The loss and each parameter's gradient, as AdamW gets it, are finite and close to the same
+    step in float32; every parameter moved, and the model holds its masters rounded to bf16"""
+    import copy
+    import batching
+    import checkpoint
+    import grpo
+    _, buf0, rewards = _tiny_buffer()
+    runs = {}
+    for dt in (torch.float32, torch.bfloat16):
+        cfg = _trainer_cfg(dtype=str(dt).split(".")[1], kv_reuse=True, micro_batch_tokens=40, num_iterations=2,
+                           beta=0.1, lr=1e-2)  # 40 tokens: one group (7 + 4 x 6) a micro-batch
+        policy = checkpoint.load_model(_tiny_model_dir(), torch.device("cpu"))  # float32, as grpo.run loads it
+        ref = copy.deepcopy(policy)
+        torch.manual_seed(2)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(0.01 * torch.randn_like(p))  # a reference that differs, so the KL term has a gradient
+        ref = grpo.cast_parameters(ref, dt)
+        start = [p.detach().clone() for p in policy.parameters()]
+        optimizer, master = grpo.make_optimizer(policy, cfg, dt)
+        assert all(p.dtype == dt for p in policy.parameters()) and (master is None) == (dt == torch.float32)
+        grads = []  # (update_step zeroes them after the step)
+        optimizer.register_step_pre_hook(lambda opt, *_: grads.extend(p.grad.clone() for p in
+                                                                      opt.param_groups[0]["params"]))
+        buf = dict(buf0)
+        torch.manual_seed(3)
+        steps, _ = batching.prepare_buffer(policy, ref, buf, rewards, cfg)
+        assert len(steps) == 1 and len(steps[0]) == 3, steps
+        torch.manual_seed(7)  # off the sampling policy, so the ratio is not 1 and the loss depends on the log-probs
+        buf["old_logp"] += 0.3 * torch.randn_like(buf["old_logp"]) * buf["completion_mask"]
+        policy.train()
+        stats = batching.update_step(policy, optimizer, buf, steps[0], cfg, master)
+        runs[dt] = stats, grads, start, list(policy.parameters()), master
+    (want, want_grads, *_), (got, grads, start, params, master) = runs[torch.float32], runs[torch.bfloat16]
+    names = [n for n, _ in checkpoint.load_model(_tiny_model_dir(), torch.device("cpu")).named_parameters()]
+    assert len(grads) == len(want_grads) == len(names), (len(grads), len(want_grads), len(names))
+    # bf16 keeps 8 significant bits (a rounding is up to 2^-9 relative): through 2 layers, 3 micro-batches summed in
+    # a bf16 .grad and the float32 log-prob/loss math, each parameter's gradient here is 0.6-1.2% off float32's and
+    # the loss <1e-4, so the bounds are 3% (~2.5x) and 1e-3 (~10x). A zero or NaN gradient, a micro-batch left out
+    # of the sum or a flipped sign is off by 10-200%.
+    loss, loss32, norm, norm32 = got["loss"], want["loss"], got["grad_norm"], want["grad_norm"]
+    assert math.isfinite(loss) and abs(loss - loss32) <= 1e-3 * abs(loss32), f"bf16 loss {loss} vs float32 {loss32}"
+    assert abs(norm - norm32) <= 3e-2 * norm32, f"bf16 gradient norm {norm} vs float32 {norm32}"
+    for n, g, w, p, p0, m in zip(names, grads, want_grads, params, start, master):
+        assert g.dtype == torch.float32 and w.norm() > 0, (n, g.dtype)  # (masters' gradients: float32)
+        assert_close(g, w, 3e-2, f"bf16 gradient of {n}")
+        moved = (p != p0.to(torch.bfloat16)).float().mean().item()
+        assert moved > 0.9, f"{n}: {moved:.1%} of the bf16 weights moved"  # (lr 1e-2: every nonzero gradient's)
+        assert torch.equal(p, m.to(torch.bfloat16)), f"{n}: the model does not hold its float32 master, rounded"
+
+
 def _dist_cfg(name):
     """dapo, grpo: the loss normalizers; entropy_batch: the two statistics over the whole batch (the entropy mask's
     quantile threshold, the rewards' std), gathered over the ranks"""
@@ -1432,8 +1512,7 @@ def test_batching_loss_matches_trl_compute_loss():
     import batching
     fns = _trl_compute_loss()
     if fns is None:
-        print("  (trl not installed: skipped)")
-        return
+        raise Skip("trl not installed (pip install trl==1.16.0)")
     compute_loss, high_entropy_mask = fns
     torch.manual_seed(0)
     R, C, L = 4, 5, 6
@@ -1752,8 +1831,7 @@ def test_lora_gradients_equal_peft():
     checkpointing on) gives the adapters the gradients PEFT's own forward/backward gives them on the same batch, and
     the frozen base none; lora.disabled() is the base model"""
     if not _have("peft"):
-        print("  (peft not installed: skipped)")
-        return
+        raise Skip("peft not installed")
     import batching
     import lora
     ours, pm = _lora_pair()
@@ -1795,8 +1873,7 @@ def test_lora_decode_folds_adapters_greedy_equal_peft():
     its greedy tokens are PEFT's generate's, on the fused path (LAST["fused"]), and the folded q|k|v weight is the
     base's plus the scaled product"""
     if not _have("peft"):
-        print("  (peft not installed: skipped)")
-        return
+        raise Skip("peft not installed")
     import rollout
     ours, pm = _lora_pair("qwen3")
     prompt_ids, prompt_mask, _, _ = _kv_batch(G=2, prompt_lens=(7, 2, 4), seed=8)
@@ -1831,8 +1908,7 @@ def test_lora_run_saves_peft_adapter_and_resumes():
         importlib.util.find_spec = real
     assert "--fsdp=False" in " ".join(config.lora_errors(config.parse_config(["--lora_r=4"]), 2))
     if not _have("peft"):
-        print("  (peft not installed: the run skipped)")
-        return
+        raise Skip("peft not installed: the run with --lora_r is not checked")
     from peft import PeftModel
     out = tempfile.mkdtemp(prefix="nanogrpo_lora_")
     _write(os.path.join(out, "by_len.py"), "def reward(text, example):\n    return float(len(text)), False\n")
@@ -2528,7 +2604,7 @@ if __name__ == "__main__":
     words = sys.argv[1:]
     todo = [fn for fn in CHECKS if not words or any(w in fn.__name__ for w in words)]
     print(f"device={DEVICE} torch={torch.__version__} TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
-    passed = failed = 0
+    passed = failed = skipped = 0
     t_all = time.time()
     for fn in todo:
         t0 = time.time()
@@ -2536,10 +2612,13 @@ if __name__ == "__main__":
             fn()
             passed += 1
             print(f"PASS {fn.__name__} ({time.time() - t0:.1f}s)", flush=True)
+        except Skip as e:
+            skipped += 1
+            print(f"SKIP {fn.__name__} ({time.time() - t0:.1f}s): {e}", flush=True)
         except Exception as e:  # noqa: BLE001 - report every failing check, keep going
             failed += 1
             print(f"FAIL {fn.__name__} ({time.time() - t0:.1f}s): {type(e).__name__}: {e}", flush=True)
             traceback.print_exc(limit=4)
     print(f"total {time.time() - t_all:.0f}s")
-    print(f"{passed} passed, {failed} failed")
+    print(f"{passed} passed, {failed} failed, {skipped} skipped")
     sys.exit(1 if failed or not todo else 0)
