@@ -18,12 +18,10 @@ A decode step of B*G rows must read every weight once plus every live row's K/V.
    torch.compile'd in three parts shared by all layers (~10-30 s once a process at any depth), which fuses the ~30
    small elementwise kernels a layer runs eagerly into a handful. A model it cannot trace decodes uncompiled.
 
-Left out: paged K/V (a group's rows share one prompt and start together, so a dense cache per row wastes nothing
-until rows finish, and compaction handles that) and custom decode GEMMs (CUDA ones that loaded their weights before
-the kernel before them ended made an 8-row step 14-22% faster on an H200, 16 rows slower, and failed on an H100:
-BENCHMARKS, "Tried and not kept"). Models the decode cannot run (sliding window, other attention) fall back to
-model.generate with the same outputs; the decode attention is also registered as "nanogrpo_decode", on which the
-model's own forward runs when its layers are not llama/qwen2/qwen3-shaped.
+Other models (sliding window, other attention) fall back to model.generate with the same outputs; layers that are
+not llama/qwen2/qwen3-shaped run their own forward on our attention ("nanogrpo_decode"). Left out: paged K/V (a
+group's rows start together, so a dense cache per row wastes nothing until rows finish, and compaction handles that)
+and custom decode GEMMs (8-row steps 14-22% faster on an H200 only: BENCHMARKS, "Tried and not kept").
 
     generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
                     top_k=0, eos_token_id=None, pad_token_id=None, compile=True) -> (completion_ids, completion_mask)
@@ -51,7 +49,6 @@ CHECK_EVERY = 8  # decode steps between host reads of "which rows are done" (a s
 MIN_BUCKET = 8  # compaction never goes below this many slots
 COMPACT_MIN_STEPS = 32  # compact only if at least this many steps may remain (a capture costs ~2 steps)
 ATTENTION = "auto"  # decode attention: triton | torch | auto (triton on CUDA, torch elsewhere)
-SAMPLER = "auto"  # triton (inverse-CDF kernels; temperature only) | torch (any top-k/top-p) | auto: triton if it can
 COMPILE_MIN_TOKENS = 128  # compile=True compiles the decode forward from this many new tokens on: the compile costs
 #                          ~10-30 s once a process and a step saves ~2 ms, so a 64-token default run never repays it
 COMPILE_BACKEND = "inductor"  # on CUDA; on the CPU only another backend compiles (tests: aot_eager, no C++ compiler)
@@ -79,8 +76,7 @@ AttentionInterface.register("nanogrpo_decode", decode_attention)
 def decode_step(model, st):
     """inside, the model's attention is "nanogrpo_decode" on state st (HF reads config._attn_implementation at
     every forward)"""
-    impl = model.config._attn_implementation
-    model.config._attn_implementation = "nanogrpo_decode"
+    impl, model.config._attn_implementation = model.config._attn_implementation, "nanogrpo_decode"
     DECODE_STATE.append(st)
     try:
         yield
@@ -162,14 +158,12 @@ def model_forward(model, tok, pos):
 
 
 def fuse_projections(model):
-    """per layer (w_qkv, b_qkv, w_gate_up, b_gate_up, w_o, b_o, w_down, b_down): q/k/v and gate/up weights
-    concatenated along the output dim, o_proj's and down_proj's as they are, for decode_forward; None if the model's
-    layers are not the llama/qwen2/qwen3 shape it assumes. A cuBLAS call at decode costs 4-7 us whatever its size, so
-    k_proj and v_proj (0.2 MB each at the 0.5B shape) cost as much as q_proj. A copy per call (weights change every
-    training step): + the q/k/v and MLP-input weights' bytes while sampling. A LoRA projection is folded here,
-    W + (alpha/r) B A, once per rollout (lora.effective_weight), so a decode step costs what it costs without LoRA;
-    any other wrapped, quantized or re-implemented projection computes more than x @ W^T + b, so such a model keeps
-    its own forward (None)."""
+    """per layer (w_qkv, b_qkv, w_gate_up, b_gate_up, w_o, b_o, w_down, b_down) for decode_forward: q/k/v and
+    gate/up weights concatenated along the output dim (a cuBLAS call at decode costs 4-7 us whatever its size, so
+    k_proj and v_proj cost as much as q_proj), o_proj's and down_proj's as they are; a copy per call, as weights
+    change every step. A LoRA projection is folded in, W + (alpha/r) B A (lora.effective_weight), so a decode step
+    costs what it costs without LoRA. None if the layers are not the llama/qwen2/qwen3 shape, or a projection is
+    wrapped, quantized or re-implemented (more than x @ W^T + b): such a model keeps its own forward."""
     cat_bias = lambda wbs: None if all(b is None for _, b in wbs) else torch.cat(  # noqa: E731
         [b if b is not None else w.new_zeros(w.shape[0]) for w, b in wbs])
     fused = []
@@ -277,11 +271,10 @@ UNCOMPILABLE = weakref.WeakKeyDictionary()  # model -> why torch.compile failed 
 
 def run_compiled(fn, *args):
     """fn(*args) (model_forward, or one of decode_forward's parts) through torch.compile, compiled once per process,
-    with dynamic shapes: the slot count changes from bucket to bucket (and model_forward's graph breaks start frames
-    that mark_dynamic would not reach). Without duck sizing, which would tie the slot count to any model dimension of
-    the same size at trace time (128 slots = 2 K/V heads x 64) and recompile when a bucket breaks the tie (5-8 s).
-    The compiler's Triton kernels launch with programmatic dependent launch where torch has it (Hopper and later),
-    as decode_kernels' do: each overlaps its launch with the kernel before (-4 to -10% a step on an H200)."""
+    with dynamic shapes (the slot count changes from bucket to bucket) and without duck sizing, which would tie the
+    slot count to a model dimension of the same size at trace time and recompile when a bucket breaks the tie (5-8
+    s). Its Triton kernels launch with programmatic dependent launch where torch has it (Hopper), as
+    decode_kernels' do: each overlaps its launch with the kernel before (-4 to -10% a step on an H200)."""
     from torch._inductor import config as inductor_config
     from torch.fx.experimental import _config as fx_config  # private, but in torch 2.1 through 2.13
     key = (fn, COMPILE_BACKEND)
@@ -326,10 +319,6 @@ def sampling(model):
         model.train(was_training)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# generate_groups
-
-
 def eos_tensor(eos_token_id, device):
     """the ids that end a completion, an int or a list of ints (or () for none), as a (n_eos,) long tensor"""
     return torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), dtype=torch.long,
@@ -363,7 +352,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
     if why:  # the decode attention assumes full attention everywhere (no sliding window)
         warnings.warn(f"rollout.generate_groups: {why}; sampling with model.generate")
         LAST.clear()
-        LAST.update(path="generate")
+        LAST["path"] = "generate"
         return hf_generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature, top_p,
                                   top_k, eos, pad, return_logprobs)
     warpers = make_warpers(temperature, top_p, top_k)
@@ -386,8 +375,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         ids = torch.full((N, T), pad, dtype=torch.long, device=dev)  # (B*G, T) every sampled token lands here
         keep = torch.zeros(N, T, dtype=torch.bool, device=dev)
         logps = torch.zeros(N, T, dtype=torch.float32, device=dev)
-        if temperature > 0 and top_k == 0 and top_p >= 1 and (SAMPLER == "triton" or (SAMPLER == "auto" and
-                                                                                    dev.type == "cuda")):
+        if temperature > 0 and top_k == 0 and top_p >= 1 and dev.type == "cuda":  # inverse-CDF kernels, else torch ops
             seed = torch.randint(2**62, (1,), device=dev)  # from torch's generator: reproducible under manual_seed
             draw = lambda logits: sample_triton(logits, seed, temperature)
         else:
