@@ -28,13 +28,9 @@ from kv_reuse import completion_hidden
 from rollout import LAST, eos_tensor, generate_groups
 from logprobs import token_logprobs
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-SCALE_REWARDS = ("group", "batch", "none")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # per-completion entries of the buffer: (B*G, C) token tensors or (B*G,) row tensors
 ROW_KEYS = ("completion_ids", "completion_mask", "truncated", "advantages", "loss_weights", "old_logp", "ref_logp",
             "entropy_mask", "sampler_logp")
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @torch.no_grad()
@@ -87,8 +83,6 @@ def concat_groups(bufs, pad_token_id):
 def group_advantages(rewards, group_size, scale_rewards="group"):
     """A_i = r_i - mean(group), divided by the group's std ("group"), the batch's std ("batch") or nothing ("none",
     Dr. GRPO). Returns (advantages (B*G,), frac of groups whose rewards are all equal: they carry no signal)."""
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards={scale_rewards!r}: use one of {SCALE_REWARDS}")
     r = rewards.float().view(-1, group_size)  # (B, G)
     adv = r - r.mean(1, keepdim=True)
     std_group = r.std(1, keepdim=True) if group_size > 1 else torch.zeros_like(adv[:, :1])
@@ -99,6 +93,8 @@ def group_advantages(rewards, group_size, scale_rewards="group"):
         mean = global_sum(r.double().sum()) / n
         var = global_sum(((r.double() - mean) ** 2).sum()) / (n - 1).clamp_min(1)  # unbiased, as torch.std
         adv = adv / (var.sqrt().float() + 1e-4) if n > 1 else adv
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards={scale_rewards!r}: use group, batch or none")
     frac_zero_std = (std_group.squeeze(1) < 1e-6).float().mean().item()
     return adv.view(-1), frac_zero_std
 
@@ -129,7 +125,7 @@ def loss_weights(completion_mask, loss_type, max_completion_len, steps_per_gener
     elif loss_type == "dr_grpo":
         w = mk / (global_sum(torch.tensor(float(mk.shape[1]), device=m.device)) * max_completion_len)
     else:
-        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
+        raise ValueError(f"loss_type={loss_type!r}: use grpo, bnpo, dr_grpo, dapo or cispo")
     return w.reshape(m.shape)
 
 

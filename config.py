@@ -17,7 +17,6 @@ from types import SimpleNamespace
 import torch
 
 import lora
-from batching import IMPORTANCE_SAMPLING_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS
 from tasks import MAX_DIFFICULTY, check_task, make_reward, parse_weights, reward_names
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -121,8 +120,9 @@ def parse_config(argv):
     return SimpleNamespace(**cfg)
 
 
-CHOICES = {"loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
-           "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "vllm_importance_sampling_mode": IS_MODES,
+CHOICES = {"loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"), "scale_rewards": ("group", "batch", "none"),
+           "importance_sampling_level": ("token", "sequence"),
+           "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
            "logprob_impl": ("auto", "fused", "chunked", "naive"), "dtype": ("float32", "bfloat16")}
 # (float16 would need a loss scaler, which this loop has not)
 finite = math.isfinite
