@@ -39,7 +39,6 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # full-attention decoders whose trunk we have checked
-FLASH_LOWER_RIGHT = True  # sdpa + no prompt padding: lower-right causal attention instead of a materialized mask
 
 # ----------------------------------------------------------------------------------------------------------------
 # caches that are idempotent under gradient-checkpoint recompute
@@ -246,7 +245,7 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
         mask = torch.cat([prompt_mask[:, :-1].repeat_interleave(G, 0), prompt_mask[:, -1:].repeat_interleave(G, 0),
                           completion_mask[:, :-1]], dim=1)  # (B*G, P-1+C)
         pos_c = pos[:, -1:].repeat_interleave(G, 0) + torch.arange(C, device=pos.device)  # continues each prompt
-        if FLASH_LOWER_RIGHT and C > 1 and model.config._attn_implementation == "sdpa" and bool(prompt_mask.all()):
+        if C > 1 and model.config._attn_implementation == "sdpa" and bool(prompt_mask.all()):
             mask = LowerRightCausal((B * G, 1, C, P - 1 + C), ids.device)  # flash, no materialized mask
             use_lower_right_sdpa()  # ...with the K/V heads unrepeated
         out = trunk(input_ids=ids, attention_mask=mask, position_ids=pos_c, past_key_values=prefix, use_cache=False)
@@ -423,35 +422,24 @@ def main():
     print(f"{'P':>6} | {'full ms':>9} {'GiB':>6} | {'reuse ms':>9} {'GiB':>6} | "
           f"{'speedup':>7} {'tokens':>7} {'flops':>6} | "
           f"{'max|dlogp|':>10}")
-    global FLASH_LOWER_RIGHT
-    rows, flash_ok = [], True
-    P2 = PROMPT_LENS[-2]
-    specs = [(P, False, True) for P in PROMPT_LENS] + [(P2, False, False), (P2, True, True)]
-    for P, mixed, flash in specs:
+    rows = []
+    for P, mixed in [(P, False) for P in PROMPT_LENS] + [(PROMPT_LENS[-2], True)]:
         ms_f, gb_f, lp_f, err_f = bench_train(model, logp, P, reuse=False, mixed=mixed)
-        FLASH_LOWER_RIGHT = flash and flash_ok
         ms_r, gb_r, lp_r, err_r = bench_train(model, logp, P, reuse=True, mixed=mixed)
-        if err_r and err_r != "OOM" and FLASH_LOWER_RIGHT and not mixed:
-            print(f"lower-right flash path failed ({err_r}); mask path from here on")
-            flash_ok = FLASH_LOWER_RIGHT = False
-            ms_r, gb_r, lp_r, err_r = bench_train(model, logp, P, reuse=True, mixed=mixed)
-        FLASH_LOWER_RIGHT = True
         ceiling, flops = B_ * G_ * (P + C_) / (B_ * (P + G_ * C_)), flop_ratio(model.config, P)
         speedup = ms_f / ms_r if ms_f and ms_r else None
         diff = (lp_f - lp_r).abs().max().item() if lp_f is not None and lp_r is not None else None
-        rows.append(dict(P=P, mixed_lengths=mixed, reuse_flash_lower_right=flash and flash_ok and not mixed,
-                         full_ms=ms_f, full_gib=gb_f, reuse_ms=ms_r, reuse_gib=gb_r, speedup=speedup,
-                         token_ceiling=ceiling, flop_ratio=flops, max_abs_logp_diff=diff, full_error=err_f,
-                         reuse_error=err_r))
+        rows.append(dict(P=P, mixed_lengths=mixed, full_ms=ms_f, full_gib=gb_f, reuse_ms=ms_r, reuse_gib=gb_r,
+                         speedup=speedup, token_ceiling=ceiling, flop_ratio=flops, max_abs_logp_diff=diff,
+                         full_error=err_f, reuse_error=err_r))
         fmt = lambda v, spec, err="": (format(v, spec) if v is not None else (err or "-")[:3]).rjust(
             int(spec.split(".")[0]))
-        label = f"{P}{'*' if mixed else ''}{'~' if not flash else ''}"
+        label = f"{P}{'*' if mixed else ''}"
         print(f"{label:>6} | {fmt(ms_f, '9.1f', err_f)} {fmt(gb_f, '6.2f', err_f)} | {fmt(ms_r, '9.1f', err_r)} "
               f"{fmt(gb_r, '6.2f', err_r)} | {fmt(speedup, '6.2f')}x {ceiling:6.2f}x {flops:5.2f}x | "
               f"{fmt(diff, '10.2e')}", flush=True)
     print("     * mixed lengths: prompts in [P/2, P] left-padded, completions in [C/2, C] right-padded (mask path)")
     print("     tokens: B*G*(P+C) / B*(P+G*C); flops: full/reuse FLOPs (flop_ratio), the speedup at equal efficiency")
-    print("     ~ reuse with FLASH_LOWER_RIGHT off: the completion pass gets a materialized (B*G, 1, C, P+C-1) mask")
     print(json.dumps(dict(device=dev_name, torch=torch.__version__, transformers=transformers.__version__,
                           B=B_, G=G_, C=C_, loss=logp_name, grad_check=gcheck, train=rows)))
 
