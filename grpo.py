@@ -272,6 +272,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
 
     from batching import prepare_buffer, stat_op, update_step
     from dist import all_ranks, gathered
+    from kv_reuse import checkpointing_enable
     r, world = rank(), world_size()
     # the other ranks wait for rank 0's recovery
     ckpt = rank0_value(checkpoint.prepare_out_dir(cfg) if r == 0 else None)
@@ -308,7 +309,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         if ckpt:
             lora.load_adapter(policy, ckpt)
     if cfg.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing_enable(policy)
     if sharded:
         shard_model(policy, dt, dev)
     ref_model = None

@@ -13,8 +13,8 @@ Why the prefill must keep its graph: the completions' loss reaches the prompt's 
 models, and every weight's gradient from the prompt positions). Gradient checkpointing re-runs each decoder
 layer in backward, so the caches here never append: the prefill's cache *sets* each layer's K/V once, and the
 completion pass's cache returns cat(prefix, new) without storing anything, so a recompute sees the same tensors.
-transformers' checkpointing wrapper drops `past_key_values` unless the layer has `_can_checkpoint_with_cache`
-(5.17 through 5.23), which we set on the layer instances for the duration of the call.
+transformers' checkpointing wrapper drops a layer's cache argument unless the layer has `_can_checkpoint_with_cache`
+(5.17 on), which we set on the layer instances for the duration of the call.
 
 Attention in the completion pass: each of the B*G rows attends its prompt (P-1 keys) plus its own completion,
 lower-right causal. HF builds that mask from the 2D (B*G, P-1+C) padding mask we pass; when no prompt has padding
@@ -25,6 +25,7 @@ unrepeated (GQA inside the kernel; lower_right_sdpa).
         -> (B*G, C, H) final-norm hidden states, row t predicts completion token t
 """
 import contextlib
+import inspect
 import json
 import math
 import sys
@@ -134,7 +135,7 @@ def use_lower_right_sdpa():
 
 @contextlib.contextmanager
 def cache_through_checkpoint(trunk):
-    """Let our caches into checkpointed decoder layers (transformers sets past_key_values=None otherwise)."""
+    """Let our caches into checkpointed decoder layers (transformers drops a layer's cache argument otherwise)."""
     layers = [m for m in trunk.layers if isinstance(m, GradientCheckpointingLayer)]
     for layer in layers:
         if layer.gradient_checkpointing and layer.training and torch.is_grad_enabled():
@@ -142,9 +143,8 @@ def cache_through_checkpoint(trunk):
             if kw.get("use_reentrant", True) is not False:
                 # reentrant checkpoint runs the layer under no_grad and only backprops into positional args: the
                 # prefix K/V (reached through the cache) would get no gradient at all.
-                raise ValueError(
-                    "kv_reuse needs non-reentrant gradient checkpointing; enable it with "
-                    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
+                raise ValueError("kv_reuse needs non-reentrant gradient checkpointing (use_reentrant=False); "
+                                 "enable it with kv_reuse.checkpointing_enable(model)")
     saved = [layer.__dict__.get("_can_checkpoint_with_cache") for layer in layers]
     for layer in layers:
         layer._can_checkpoint_with_cache = True
@@ -158,8 +158,21 @@ def cache_through_checkpoint(trunk):
                 layer._can_checkpoint_with_cache = v
 
 
+def checkpointing_enable(model):
+    """non-reentrant gradient checkpointing, the kind the reuse path needs. transformers 5.23 renamed
+    gradient_checkpointing_enable (which warns there) to activation_checkpointing_enable."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # helpers
+
+
+def cache_arg(model, cache):
+    """{name: cache} for model's forward: transformers 5.24 renamed its `past_key_values` argument (which warns
+    there) to `cache`"""
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
 
 
 def positions(mask):
@@ -237,7 +250,7 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
         # 1) prefill prompt[:, :-1] once per group; CaptureLayer keeps each layer's K/V with its graph
         capture = Cache(layers=[CaptureLayer() for _ in trunk.layers])
         trunk(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1], position_ids=pos[:, :-1],
-              past_key_values=capture, use_cache=False)
+              **cache_arg(trunk, capture), use_cache=False)
         prefix = Cache(layers=[PrefixLayer(l.keys, l.values, G) for l in capture.layers])
         # 2) completion pass: [last prompt token, completion[:-1]] (B*G, C) on top of the prefix, so output row t
         # predicts completion token t. The 2D mask covers prefix + new tokens; HF builds causal+padding from it.
@@ -248,7 +261,7 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
         if C > 1 and model.config._attn_implementation == "sdpa" and bool(prompt_mask.all()):
             mask = LowerRightCausal((B * G, 1, C, P - 1 + C), ids.device)  # flash, no materialized mask
             use_lower_right_sdpa()  # ...with the K/V heads unrepeated
-        out = trunk(input_ids=ids, attention_mask=mask, position_ids=pos_c, past_key_values=prefix, use_cache=False)
+        out = trunk(input_ids=ids, attention_mask=mask, position_ids=pos_c, **cache_arg(trunk, prefix), use_cache=False)
     return out.last_hidden_state  # (B*G, C, H)
 
 
@@ -278,9 +291,7 @@ def bench_model():
     with torch.device(DEV):
         model = Qwen2ForCausalLM(config)
     model.to(torch.bfloat16 if CUDA else torch.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # 5.23 renamed it activation_checkpointing_enable
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointing_enable(model)
     return model.train()
 
 
