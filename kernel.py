@@ -26,14 +26,6 @@ backward (per vocab chunk [v_lo, v_hi), bounded workspace ws (N, Vc) in the inpu
     Extra memory = N*H*4 (dH32) + N*Vc*elt (ws) <= EXTRA_BYTES while N*H*4 leaves room (else see MIN_CHUNK),
     plus (4, splits, N) fp32 in the forward.
 
-Where the time goes (H100, bf16, 16384 x 4096 x 128256, one fwd+bwd with entropy, torch.profiler):
-    _fwd_kernel 25.1 ms (cuBLAS x @ W^T: 23.0) | _bwd_dz_kernel 31.2 (18 chunks) | dH accumulate 26.5 with a
-    Triton GEMM | cuBLAS dW 22.7  ->  ~106 ms of kernels vs ~99 ms for the four cuBLAS GEMMs (1.10-1.11x).
-    The dH accumulate moved to cuBLAS addmm(out_dtype=fp32): 113.4 -> 109.4 ms end to end, same bits.
-    The excess is the price of the 0.5 GiB cap: 18 chunk launches each lose ~3% to a partial last wave
-    (128 x 28 tiles over 132 SMs), the dz tile store (4.2 GB in all) sits in the epilogue, and the fp32 dH
-    accumulator is read and written once per chunk (18 x 0.5 GB). A dW GEMM on a side stream did not help.
-
 Exact and reproducible: fp32 accumulation everywhere, no gradient filtering, no atomics, fixed block sizes (a
 table keyed on dtype, no autotuning), so a rerun gives the same bits. Offsets into hidden/weight/workspace are
 int64. Vocab columns past V in the last block are -inf (not 0, which would inflate lse: verl #2656).
@@ -106,9 +98,8 @@ def _logits_tile(h_ptr, w_ptr, offs_n, offs_v, H, stride_hn, stride_hk, stride_w
 
 # Triton compiles a kernel per "specialization" of its integer arguments (== 1, divisible by 16). The token count
 # changes from micro-batch to micro-batch, and each new class of it compiled both kernels again in the middle of a
-# training step (0.7-2.3 s on an H200: the "slow update step" now and then). fused_logprobs pads N to a multiple of
-# 16 (the class the kernels run fastest in: 8% faster than the same N unspecialized), and the split counts that
-# follow from N are not specialized.
+# training step (0.7-2.3 s on an H200). fused_logprobs pads N to a multiple of 16 (the class the kernels run fastest
+# in: 8% faster than the same N unspecialized), and the split counts that follow from N are not specialized.
 @triton.jit(do_not_specialize=["blocks_per_split", "num_splits"])
 def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, H, inv_temp, blocks_per_split, num_splits,
                 stride_hn, stride_hk, stride_wv, stride_wk, stride_pq, stride_ps,
@@ -271,9 +262,7 @@ def _backward(hidden, weight, targets, lse, ent, g, g_ent, temperature, need_dh,
     cfg, meta = _launch_args(hidden, weight)
     BV = cfg["BLOCK_V"]
     elt = hidden.element_size()
-    budget = EXTRA_BYTES - (N * H * 4 if need_dh else 0)
-    # extra memory = dH32 (N, H) fp32 + ws (N, Vc): ~0.47 GiB at the benchmark shapes. Past N*H*4 ~ EXTRA_BYTES
-    # (e.g. 32k tokens at H = 4096) Vc stays at MIN_CHUNK and memory grows as O(N * (H + MIN_CHUNK)), never N*V
+    budget = EXTRA_BYTES - (N * H * 4 if need_dh else 0)  # ws's share, beside dH32
     vc_max = max(triton.cdiv(MIN_CHUNK, BV) * BV, budget // (N * elt) // BV * BV)
     n_chunks = triton.cdiv(V, vc_max)
     Vc = triton.cdiv(triton.cdiv(V, n_chunks), BV) * BV  # equal chunks, each a multiple of BLOCK_V
@@ -340,11 +329,9 @@ def fused_logprobs(hidden, weight, targets, temperature=1.0, entropy=True):
     Returns float32 (logp, ent) shaped like targets; ent is None when entropy=False (no entropy work then).
     Differentiable w.r.t. hidden and weight; logp and ent each take their own per-token upstream gradient.
     Never materializes N x V: backward uses a (N, Vc) workspace and an (N, H) fp32 accumulator, under
-    EXTRA_BYTES when N*H*4 leaves room (all benchmark shapes). A token count N that is not a multiple of 16 is
-    padded to one (a copy of hidden, N x H in its dtype; < 0.1% of the time): the kernels then compile once a run
-    whatever the micro-batches' token counts, and run as fast as at a multiple of 16 (4-9% faster than unpadded).
-    CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before import; otherwise RuntimeError (use
-    logprobs.token_logprobs(..., impl="chunked") on a CPU).
+    EXTRA_BYTES when N*H*4 leaves room (all benchmark shapes). N is padded to a multiple of 16 (a copy of hidden:
+    one compile a run, see _fwd_kernel). CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before import;
+    otherwise RuntimeError (use logprobs.token_logprobs(..., impl="chunked") on a CPU).
     """
     check_inputs(hidden, weight, targets, temperature)
     if hidden.device.type != "cuda" and not INTERPRET:
@@ -357,7 +344,7 @@ def fused_logprobs(hidden, weight, targets, temperature=1.0, entropy=True):
     shape = targets.shape
     h2 = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     t1 = targets.reshape(-1).to(torch.int64).contiguous()  # (N,)
-    n, pad = t1.numel(), -t1.numel() % 16  # N padded to a multiple of 16: one compile, whatever the token counts
+    n, pad = t1.numel(), -t1.numel() % 16
     if pad:  # (zero rows, target 0: their logp/ent are dropped, so their gradient is 0)
         h2, t1 = torch.nn.functional.pad(h2, (0, 0, 0, pad)), torch.nn.functional.pad(t1, (0, pad))
     logp, ent = _FusedLogprobs.apply(h2, weight, t1, float(temperature), bool(entropy))

@@ -294,11 +294,6 @@ def main():
         print("(liger row: Liger's fused linear cross-entropy, reduction='none', logp only: no entropy work)")
     except ImportError:
         print("(liger_kernel not installed: no liger row)")
-    try:
-        import cut_cross_entropy  # noqa: F401
-        print("(cut_cross_entropy is importable, but this benchmark has no row for it)")
-    except ImportError:
-        print("(cut_cross_entropy not installed: no row)")
     print(f"{'shape':<13} {'impl':<8} {'ms':>9} {'floor_ms':>9} {'ratio':>6} {'peak_GiB':>8} "
           f"{'err_logp':>9} {'err_ent':>9} {'err_dH':>9} {'err_dW':>9}")
     rows = []
