@@ -31,9 +31,8 @@ table keyed on dtype, no autotuning), so a rerun gives the same bits. Offsets in
 int64. Vocab columns past V in the last block are -inf (not 0, which would inflate lse: verl #2656).
 
 Runs on CUDA (bf16/fp16 on tensor cores, fp32 with input_precision="ieee", not tf32), or on CPU tensors under
-TRITON_INTERPRET=1, which must be set before this module is imported (fp32/fp16 only: the interpreter's tl.dot is
-wrong on bf16, triton #11584). On a CPU without TRITON_INTERPRET=1, fused_logprobs raises RuntimeError: use
-logprobs.token_logprobs(..., impl="chunked") there.
+TRITON_INTERPRET=1, set before this module is imported (fp32/fp16 only: the interpreter's tl.dot is wrong on bf16,
+triton #11584); anywhere else fused_logprobs raises RuntimeError (logprobs.py's impl="chunked" runs there).
 """
 import os
 
@@ -211,7 +210,6 @@ def check_inputs(hidden, weight, targets, temperature):
 def _launch_args(hidden, weight):
     cfg = CONFIGS[hidden.dtype]
     H = hidden.shape[1]
-    # fp32 inputs: full-precision dot ("ieee"), not Triton's tf32 default; fp16/bf16: the default (None)
     meta = dict(EVEN_K=H % cfg["BLOCK_K"] == 0, DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else None,
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"], GROUP_N=GROUP_N,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -246,10 +244,8 @@ def _forward(hidden, weight, targets, temperature, entropy):
 
 
 def _acc_dh(dH32, dz, w_c):
-    """dH32 (N, H) fp32 += dz (N, vc) @ w_c (vc, H). On CUDA with bf16/fp16 inputs this is one cuBLAS call that
-    reads the half-precision operands and adds into the fp32 C in place (addmm's out_dtype overload, torch >= 2.8):
-    no (N, H) temporary and no rounding of the running sum. fp32 inputs (and CPU tensors under TRITON_INTERPRET)
-    take a plain fp32 addmm_; on the CPU the upcast copy of dz is fine."""
+    """dH32 (N, H) fp32 += dz (N, vc) @ w_c (vc, H). bf16/fp16 on CUDA: one cuBLAS call that adds into the fp32 C in
+    place (addmm's out_dtype overload, torch >= 2.8): no (N, H) temporary, no rounding of the running sum."""
     if dz.is_cuda and dz.dtype != torch.float32:
         torch.addmm(dH32, dz, w_c, torch.float32, out=dH32)
     else:
@@ -261,19 +257,17 @@ def _backward(hidden, weight, targets, lse, ent, g, g_ent, temperature, need_dh,
     V = weight.shape[0]
     cfg, meta = _launch_args(hidden, weight)
     BV = cfg["BLOCK_V"]
-    elt = hidden.element_size()
     budget = EXTRA_BYTES - (N * H * 4 if need_dh else 0)  # ws's share, beside dH32
-    vc_max = max(triton.cdiv(MIN_CHUNK, BV) * BV, budget // (N * elt) // BV * BV)
+    vc_max = max(triton.cdiv(MIN_CHUNK, BV) * BV, budget // (N * hidden.element_size()) // BV * BV)
     n_chunks = triton.cdiv(V, vc_max)
     Vc = triton.cdiv(triton.cdiv(V, n_chunks), BV) * BV  # equal chunks, each a multiple of BLOCK_V
     ws = torch.empty((N, Vc), dtype=hidden.dtype, device=hidden.device)  # the bounded dz workspace
     dH32 = torch.zeros((N, H), dtype=torch.float32, device=hidden.device) if need_dh else None
     dW = torch.empty_like(weight) if need_dw else None
     dummy = lse  # stands in for absent pointers (never read: HAS_G / HAS_GENT are constexpr False)
-    BN = cfg["BLOCK_N"]
     for v_lo in range(0, V, Vc):
         v_hi = min(v_lo + Vc, V)
-        grid = (triton.cdiv(N, BN) * triton.cdiv(v_hi - v_lo, BV),)
+        grid = (triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(v_hi - v_lo, BV),)
         _bwd_dz_kernel[grid](hidden, weight, targets, lse, ent if ent is not None else dummy,
                              g if g is not None else dummy, g_ent if g_ent is not None else dummy, ws,
                              N, V, H, v_lo, v_hi, 1.0 / temperature, hidden.stride(0), hidden.stride(1),
@@ -330,8 +324,7 @@ def fused_logprobs(hidden, weight, targets, temperature=1.0, entropy=True):
     Differentiable w.r.t. hidden and weight; logp and ent each take their own per-token upstream gradient.
     Never materializes N x V: backward uses a (N, Vc) workspace and an (N, H) fp32 accumulator, under
     EXTRA_BYTES when N*H*4 leaves room (all benchmark shapes). N is padded to a multiple of 16 (a copy of hidden:
-    one compile a run, see _fwd_kernel). CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before import;
-    otherwise RuntimeError (use logprobs.token_logprobs(..., impl="chunked") on a CPU).
+    one compile a run, see _fwd_kernel). Where it runs: the module docstring.
     """
     check_inputs(hidden, weight, targets, temperature)
     if hidden.device.type != "cuda" and not INTERPRET:

@@ -18,9 +18,6 @@ transformers' checkpointing wrapper drops a layer's cache argument unless the la
 Attention in the completion pass: each of the B*G rows attends its prompt (P-1 keys) plus its own completion,
 lower-right causal. HF builds that mask from the 2D (B*G, P-1+C) padding mask we pass; with no prompt padding under
 sdpa, flash attention runs it with no mask at all (LowerRightCausal, lower_right_sdpa).
-
-    completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size, reuse=True)
-        -> (B*G, C, H) final-norm hidden states, row t predicts completion token t
 """
 import contextlib
 import inspect

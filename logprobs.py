@@ -191,8 +191,7 @@ def _time(fn, dev, reps):
         fn()
         _sync(dev)
         times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    return sorted(times)[len(times) // 2]
 
 
 def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
@@ -258,17 +257,14 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
     return rows
 
 
-def _gib(x):
-    return "n/a" if x is None else f"{x:.3f}"
-
-
 def _fmt(r):
     head = f"{r['shape']:<13} {r['impl']:<8}"
     if r.get("oom"):
         return f"{head} {'OOM':>9}"
     errs = " ".join("      n/a" if r[k] is None else f"{r[k]:9.2e}"
                     for k in ("err_logp", "err_ent", "err_dh", "err_dw"))
-    return f"{head} {r['ms']:9.2f} {r['floor_ms']:9.2f} {r['ratio']:6.3f} {_gib(r['peak_gib']):>8} {errs}"
+    peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.3f}"
+    return f"{head} {r['ms']:9.2f} {r['floor_ms']:9.2f} {r['ratio']:6.3f} {peak:>8} {errs}"
 
 
 def main():
