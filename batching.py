@@ -13,9 +13,6 @@ gradient-accumulation micro-batch and "how many updates per sample" is its own k
     micro_batches: whole groups under a token budget (kv_reuse forwards a group's prompt once: a group stays together)
     old / ref log-probs under no_grad, micro-batch by micro-batch (old skipped when exactly on-policy)
     update_step: sum over micro-batches of sum(per_token_loss * weight) -> backward -> clip -> optimizer.step
-
-Response-only rows (slime #2076): of the (B*G, C, H) hidden states only the positions with completion mask 1 are
-gathered to (N, H) before the LM head, so padding never costs a (row, V) logits slab.
 """
 import contextlib
 import math
@@ -23,18 +20,14 @@ import math
 import torch
 
 import lora
-from dist import all_ranks, distributed, fsdp_modules, global_sum
+from dist import all_ranks, distributed, fsdp_modules, global_stats, global_sum, stat_op
 from kv_reuse import completion_hidden
 from rollout import LAST, eos_tensor, generate_groups
 from logprobs import token_logprobs
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-SCALE_REWARDS = ("group", "batch", "none")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # per-completion entries of the buffer: (B*G, C) token tensors or (B*G,) row tensors
 ROW_KEYS = ("completion_ids", "completion_mask", "truncated", "advantages", "loss_weights", "old_logp", "ref_logp",
             "entropy_mask", "sampler_logp")
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @torch.no_grad()
@@ -71,22 +64,19 @@ def concat_groups(bufs, pad_token_id):
     P = max(b["prompt_ids"].shape[1] for b in bufs)
     C = max(b["completion_ids"].shape[1] for b in bufs)
     left = lambda x, v: torch.nn.functional.pad(x, (P - x.shape[1], 0), value=v)  # noqa: E731
-    right = lambda x, v: torch.nn.functional.pad(x, (0, C - x.shape[1]), value=v)  # noqa: E731
-    return dict(group_size=bufs[0]["group_size"],
-                prompt_ids=torch.cat([left(b["prompt_ids"], pad_token_id) for b in bufs]),
-                prompt_mask=torch.cat([left(b["prompt_mask"], 0) for b in bufs]),
-                completion_ids=torch.cat([right(b["completion_ids"], pad_token_id) for b in bufs]),
-                completion_mask=torch.cat([right(b["completion_mask"], 0) for b in bufs]),
-                truncated=torch.cat([b["truncated"] for b in bufs]),
-                **({"sampler_logp": torch.cat([right(b["sampler_logp"], 0.0) for b in bufs])}
-                   if all("sampler_logp" in b for b in bufs) else {}))
+    right = lambda x, v: torch.nn.functional.pad(x, (0, C - x.shape[1]), value=v) if x.dim() == 2 else x  # noqa: E731
+    out = dict(group_size=bufs[0]["group_size"],
+               prompt_ids=torch.cat([left(b["prompt_ids"], pad_token_id) for b in bufs]),
+               prompt_mask=torch.cat([left(b["prompt_mask"], 0) for b in bufs]))
+    for k in ROW_KEYS:  # (B*G, C) ones right-padded: the ids with pad_token_id, masks and log-probs with 0
+        if all(k in b for b in bufs):
+            out[k] = torch.cat([right(b[k], pad_token_id if k == "completion_ids" else 0) for b in bufs])
+    return out
 
 
 def group_advantages(rewards, group_size, scale_rewards="group"):
     """A_i = r_i - mean(group), divided by the group's std ("group"), the batch's std ("batch") or nothing ("none",
     Dr. GRPO). Returns (advantages (B*G,), frac of groups whose rewards are all equal: they carry no signal)."""
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards={scale_rewards!r}: use one of {SCALE_REWARDS}")
     r = rewards.float().view(-1, group_size)  # (B, G)
     adv = r - r.mean(1, keepdim=True)
     std_group = r.std(1, keepdim=True) if group_size > 1 else torch.zeros_like(adv[:, :1])
@@ -97,6 +87,8 @@ def group_advantages(rewards, group_size, scale_rewards="group"):
         mean = global_sum(r.double().sum()) / n
         var = global_sum(((r.double() - mean) ** 2).sum()) / (n - 1).clamp_min(1)  # unbiased, as torch.std
         adv = adv / (var.sqrt().float() + 1e-4) if n > 1 else adv
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards={scale_rewards!r}: use group, batch or none")
     frac_zero_std = (std_group.squeeze(1) < 1e-6).float().mean().item()
     return adv.view(-1), frac_zero_std
 
@@ -127,7 +119,7 @@ def loss_weights(completion_mask, loss_type, max_completion_len, steps_per_gener
     elif loss_type == "dr_grpo":
         w = mk / (global_sum(torch.tensor(float(mk.shape[1]), device=m.device)) * max_completion_len)
     else:
-        raise ValueError(f"loss_type={loss_type!r}: use one of {LOSS_TYPES}")
+        raise ValueError(f"loss_type={loss_type!r}: use grpo, bnpo, dr_grpo, dapo or cispo")
     return w.reshape(m.shape)
 
 
@@ -193,8 +185,9 @@ def slice_groups(buf, b0, b1):
 
 
 def completion_logprobs(model, mb, keep, temperature, logprob_impl, kv_reuse, entropy):
-    """log pi(token) of the completion tokens where keep (B*G, C) is True, response-only: (B*G, C, H) -> (N, H) ->
-    LM head. Returns (logp (N,), ent (N,) or None), N = keep.sum(), row-major order."""
+    """log pi(token) of the completion tokens where keep (B*G, C) is True, response-only (slime #2076): (B*G, C, H)
+    -> (N, H) -> LM head, so padding never costs a logits row. Returns (logp (N,), ent (N,) or None), N = keep.sum(),
+    row-major order."""
     args = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"], mb["group_size"], keep,
             temperature, logprob_impl, kv_reuse, entropy)
     if "logprobs_forward" in vars(model):  # FSDP2 (grpo.shard_model): the same function, as a forward of the root
@@ -204,15 +197,11 @@ def completion_logprobs(model, mb, keep, temperature, logprob_impl, kv_reuse, en
 
 def logprobs_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size, keep, temperature,
                      logprob_impl, kv_reuse, entropy):
-    """completion_logprobs' body. Under FSDP2 it runs as a forward method of the root (register_fsdp_forward_method),
-    so the LM-head weight read here (tied to the embeddings or not) is the root's gathered one, and its gradient is
-    reduce-scattered by the root's backward hooks like every other."""
-    hidden = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size,
-                               reuse=kv_reuse)  # (B*G, C, H)
-    h = hidden[keep]  # (N, H): the only rows the LM head ever sees
-    targets = completion_ids[keep]  # (N,)
+    """completion_logprobs' body; under FSDP2 a forward method of the root (grpo.shard_model says why)"""
+    h = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size,
+                          reuse=kv_reuse)[keep]  # (B*G, C, H) -> (N, H): the only rows the LM head ever sees
     weight = model.get_output_embeddings().weight  # (V, H)
-    return token_logprobs(h.to(weight.dtype), weight, targets, temperature=temperature, entropy=entropy,
+    return token_logprobs(h.to(weight.dtype), weight, completion_ids[keep], temperature=temperature, entropy=entropy,
                           impl=logprob_impl)
 
 
@@ -229,7 +218,7 @@ def oom_names_knob(cfg, what):
 
 
 @torch.no_grad()
-def fill_logprobs(model, buf, key, mbs, temperature, logprob_impl, kv_reuse, entropy=False):
+def fill_logprobs(model, buf, key, mbs, cfg, entropy=False):
     """buf[key] = (B*G, C) log-probs of the current weights of `model`, zero at masked positions; with entropy=True
     also returns the (B*G, C) entropies of the same pass"""
     out = torch.zeros(buf["completion_ids"].shape, dtype=torch.float32, device=buf["completion_ids"].device)
@@ -238,9 +227,8 @@ def fill_logprobs(model, buf, key, mbs, temperature, logprob_impl, kv_reuse, ent
     for b0, b1 in mbs:
         mb = slice_groups(buf, b0, b1)
         keep = mb["completion_mask"].bool()
-        logp, ent = completion_logprobs(model, mb, keep, temperature, logprob_impl, kv_reuse, entropy=entropy)
-        rows = out[b0 * G:b1 * G, :keep.shape[1]]  # a view into out
-        rows[keep] = logp.float()
+        logp, ent = completion_logprobs(model, mb, keep, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse, entropy)
+        out[b0 * G:b1 * G, :keep.shape[1]][keep] = logp.float()  # (a view of out, written through)
         if entropy:
             ents[b0 * G:b1 * G, :keep.shape[1]][keep] = ent.float()
     buf[key] = out
@@ -329,19 +317,12 @@ def micro_batch_loss(model, mb, cfg):
     stats["clip_low"] = (low * w).sum()
     stats["clip_high"] = (high * w).sum()
     stats["clip_ratio"] = stats["clip_low"] + stats["clip_high"]
-    if ent is not None:
-        stats["entropy"] = (ent.detach().float() * w).sum()
+    stats["entropy"] = (ent.detach().float() * w).sum()
     if ent_mask is not None:
         stats["entropy_mask_frac"] = (ent_mask * w).sum()
     stats["ratio_mean"] = (ratio.detach() * w).sum()
     stats["ratio_dev_max"] = (ratio.detach() - 1).abs().max()  # exactly 0 when on-policy
     return loss, stats
-
-
-def stat_op(key):
-    """how a logged stat combines over micro-batches, updates and ranks: *_max by max, *_min by min, the rest (sums
-    of weighted values, divided by the summed weights at the end) by sum"""
-    return "max" if key.endswith("_max") else "min" if key.endswith("_min") else "sum"
 
 
 def backward(model, buf, mbs, cfg):
@@ -357,11 +338,9 @@ def backward(model, buf, mbs, cfg):
         # micro-batches runs its first group again with its loss times 0 (zero gradient, same hooks and collectives)
         runs += [None] * (int(global_sum(torch.tensor(len(runs), device=w_sum.device), "max")) - len(runs))
     for run in runs:
-        if run is None:
-            mb = slice_groups(buf, mbs[0][0], mbs[0][0] + 1)
-            mb["loss_weights"] = mb["completion_mask"].float()  # some tokens, so the graph reaches every weight
-        else:
-            mb = slice_groups(buf, *run)
+        mb = slice_groups(buf, *(run or (mbs[0][0], mbs[0][0] + 1)))
+        if run is None:  # some tokens, so the graph reaches every weight
+            mb["loss_weights"] = mb["completion_mask"].float()
         with oom_names_knob(cfg, f"in the loss of a micro-batch of {len(mb['prompt_ids'])} groups x {G} completions"):
             loss, stats = micro_batch_loss(model, mb, cfg)
             (loss if run is not None else loss * 0).backward()
@@ -378,25 +357,24 @@ def backward(model, buf, mbs, cfg):
 
 def update_step(model, optimizer, buf, mbs, cfg, master=None):
     """one optimizer step over one mini-batch (the micro-batches mbs, one entry of prepare_buffer's list):
-    accumulate the micro-batches' gradients, clip, step. Because every token's weight already holds the
-    mini-batch's normalizer, the summed gradient is identical (up to float rounding) for any micro-batch split.
-    With `master` (float32 copies of a bf16 model's parameters, which the optimizer holds) the gradients go to the
-    masters and the stepped masters are rounded back into the model."""
+    accumulate the micro-batches' gradients (the same sum for any split: loss_weights), clip, step. With `master`
+    (float32 copies of a bf16 model's parameters, which the optimizer holds) the gradients go to the masters, so the
+    clip norm is float32 too, and the stepped masters are rounded back into the model."""
     totals, loss_total, w_sum = backward(model, buf, mbs, cfg)
     units = fsdp_modules(model)
     params = list(model.parameters())
-    if master is not None:  # the gradients move to the float32 masters first, so the clip norm is float32 too
+    trained = master if master is not None else params
+    if master is not None:
         for m, p in zip(master, params):
             m.grad, p.grad = (p.grad.float() if p.grad is not None else None), None
-    if distributed() and not units:  # every rank holds the whole model: sum the ranks' gradients (the loss weights
-        for p in (master if master is not None else params):  # carry the global normalizers), in float32 where
-            if p.requires_grad:  # there are masters
+    if distributed() and not units:  # replicas: sum the ranks' gradients (the loss weights hold global normalizers)
+        for p in trained:
+            if p.requires_grad:
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # a rank may have had no loss tokens
                 torch.distributed.all_reduce(p.grad)
     if distributed():
         totals, loss_total, w_sum = global_stats(totals, w_sum.device), global_sum(loss_total), global_sum(w_sum)
-    grad_norm = torch.nn.utils.clip_grad_norm_(master if master is not None else params,
-                                               cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    grad_norm = torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over every rank's shards
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
@@ -415,31 +393,13 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
     return out
 
 
-def global_stats(totals, dev):
-    """update_step's stats over all ranks: sums summed, *_max maxed, *_min minned (a rank that skipped every
-    micro-batch has no keys: it joins with the neutral value)"""
-    keys = sorted({k for ks in all_ranks(sorted(totals)) for k in ks})
-    out = {}
-    for op, neutral in (("max", -math.inf), ("min", math.inf), ("sum", 0.0)):
-        ks = [k for k in keys if stat_op(k) == op]
-        if ks:
-            v = global_sum(torch.stack([totals[k].float() if k in totals else torch.tensor(neutral, device=dev)
-                                           for k in ks]), op)
-            out.update(zip(ks, v))
-    return out
-
-
 def prepare_buffer(model, ref_model, buf, rewards, cfg):
     """everything the updates need that does not change between them: advantages, the mini-batches, per-token
     weights, the entropy mask, and the old/ref log-probs under no_grad. Returns (one list of micro-batches (b0, b1)
-    per optimizer step, in order; the fraction of zero-std groups).
-
-    steps_per_generation = K > 1 (TRL): the groups are shuffled (torch.randperm, so resume replays it) and mini-batch
-    k is groups [k*B/K, (k+1)*B/K). TRL shuffles single completions; here whole groups move, because kv_reuse runs a
-    group's prompt once (the advantages are computed before the shuffle, so only the normalizers see the
-    difference). Old log-probs are computed whenever some update is off-policy: num_iterations > 1 or K > 1."""
-    G, K = buf["group_size"], cfg.steps_per_generation
-    B = buf["prompt_ids"].shape[0]
+    per optimizer step, in order; the fraction of zero-std groups). With K = steps_per_generation > 1 the groups
+    are shuffled (torch.randperm, so resume replays it): TRL shuffles single completions, here whole groups move
+    (kv_reuse runs a group's prompt once; the advantages come first, so only the normalizers see the difference)."""
+    G, K, B = buf["group_size"], cfg.steps_per_generation, buf["prompt_ids"].shape[0]
     if B % K:
         raise ValueError(f"{B} groups do not split into steps_per_generation={K} mini-batches")
     buf["advantages"], frac_zero_std = group_advantages(rewards, G, cfg.scale_rewards)
@@ -460,16 +420,14 @@ def prepare_buffer(model, ref_model, buf, rewards, cfg):
     with oom_names_knob(cfg, "computing old/reference log-probs"):
         if cfg.num_iterations > 1 or K > 1 or want_entropy:
             # an on-policy single update would see ratio = 1 anyway; later ones need the sampling policy's log-probs
-            ent = fill_logprobs(model, buf, "old_logp", all_mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse,
-                                entropy=want_entropy)
+            ent = fill_logprobs(model, buf, "old_logp", all_mbs, cfg, entropy=want_entropy)
             if want_entropy:
-                # the threshold over the whole mini-batch, from the sampling policy's entropies (fixed across the
-                # num_iterations passes): TRL takes it per micro-batch from each pass's entropies, which would make
-                # the gradient depend on the micro-batch split
+                # per mini-batch from the sampling policy's entropies (fixed over the passes): TRL's per micro-batch
+                # and pass would make the gradient depend on the micro-batch split
                 buf["entropy_mask"] = entropy_mask(ent, loss_mask, cfg.top_entropy_quantile, K)
             if cfg.num_iterations == 1 and K == 1:
                 del buf["old_logp"]  # (only the entropies were wanted: keep the ratio exactly 1)
         if cfg.beta > 0:  # (LoRA: the reference is the policy itself with its adapters off)
             with lora.disabled(ref_model) if ref_model is model else contextlib.nullcontext():
-                fill_logprobs(ref_model, buf, "ref_logp", all_mbs, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse)
+                fill_logprobs(ref_model, buf, "ref_logp", all_mbs, cfg)
     return steps, frac_zero_std

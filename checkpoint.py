@@ -4,7 +4,7 @@ leaves in out_dir, and how a killed run is resumed from it.
 
     out_dir/LOCK          {"pid", "host"} of the run that holds out_dir: a second run is refused (take_lock)
     out_dir/log.jsonl     one JSON record a step (grpo appends; read_log / write_log cut it back to the checkpoint)
-    out_dir/curves.png
+    out_dir/curves.png    the training reward and accuracy and the held-out accuracy by step (plot_curves; matplotlib)
     out_dir/ckpt/         an HF directory (safetensors + tokenizer: from_pretrained loads it as it is) plus
                           trainer_state.pt (step, optimizer, every rank's RNG, world size, config); under FSDP2 the
                           optimizer is one optimizer_rank{r}.pt a rank (its shard of AdamW's moments) instead
@@ -18,9 +18,6 @@ ckpt.tmp (partial or complete) and ckpt.old beside or instead of ckpt/ (recover_
 complete save), a cut last log line (read_log drops it with a notice), a dead run's LOCK (take_lock takes it over
 on the same host). A file cut some other way is named when it fails to load (loaded). Resume refuses a change of
 what defines the run (STRUCTURAL) and takes the rest with a notice.
-
-grpo.py calls in here; this file imports dist (rank, all_ranks, fsdp_modules) and lora (a LoRA run saves its
-adapters), never grpo.
 """
 import glob
 import json
@@ -34,7 +31,7 @@ import zipfile
 import torch
 
 import lora
-from dist import rank
+from dist import all_ranks, fsdp_modules, rank, rank0_value
 
 # ------------------------------------------------------------------------------------------------------------------
 # out_dir: the LOCK, --overwrite / --resume, atomic checkpoints
@@ -141,7 +138,6 @@ def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
     under FSDP2 the full float32 weights are gathered to rank 0's CPU, and each rank writes its own optimizer shard
     (optimizer_rank{r}.pt) into ckpt.tmp before rank 0 writes trainer_state.pt and swaps the directory in
     (dist.rank0_value, rank 0's value on every rank, is the barrier: the ranks wait for rank 0)"""
-    from dist import all_ranks, fsdp_modules, rank0_value
     rng = dict(torch=torch.get_rng_state(), python=random.getstate(),
                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     rngs = all_ranks(rng)
@@ -321,8 +317,11 @@ def read_trainer_state(ckpt):
     return loaded("trainer state", path, lambda: torch.load(path, weights_only=False))
 
 
-def check_resume_config(saved, cfg):
-    """refuse a STRUCTURAL change against the checkpoint's config (naming each key and both values); print the rest"""
+def check_resume(state, cfg, world, ckpt):
+    """refuse a STRUCTURAL change against the checkpoint's config (naming each key and both values), another process
+    count (each rank's RNG stream and groups belong to it) or another --fsdp (sharded optimizer files or one whole
+    state) than the run that wrote ckpt; print the other changes"""
+    saved = state["config"]
     def norm(k, v):  # the same local model directory, however it is written
         return os.path.realpath(os.path.expanduser(v)) if k == "model" and os.path.isdir(os.path.expanduser(v)) else v
     changed = {k: (saved[k], v) for k, v in vars(cfg).items()
@@ -333,6 +332,11 @@ def check_resume_config(saved, cfg):
                          f"Keep these as they were, or start a new run (another --out_dir, or --overwrite=True)")
     for k, (a, b) in changed.items():
         print(f"resume: --{k} changed from {a!r} to {b!r}")
+    if state.get("world_size", 1) != world:
+        raise ValueError(f"{ckpt} was written by a run of {state.get('world_size', 1)} process(es); this one has "
+                         f"{world}: resume with the same number (torchrun --nproc_per_node=N, or plain python for 1)")
+    if world > 1 and (state["optimizer"] is None) != cfg.fsdp:
+        raise ValueError(f"{ckpt} was written with --fsdp={state['optimizer'] is None}; resume with the same")
 
 
 def restore_trainer_state(state, optimizer, r=0, ckpt=None):
@@ -373,3 +377,25 @@ def write_log(path, records):
         f.writelines(json.dumps(r) + "\n" for r in records)
     os.replace(path + ".tmp", path)
 
+
+def plot_curves(records, out_dir):
+    """out_dir/curves.png from the log's records (nothing without matplotlib)"""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    tr = [r for r in records if "reward_mean" in r]
+    ev = [r for r in records if "eval_accuracy" in r]
+    ax[0].plot([r["step"] for r in tr], [r["reward_mean"] for r in tr], label="train reward")
+    ax[0].plot([r["step"] for r in tr], [r["accuracy"] for r in tr], label="train accuracy (sampled)")
+    ax[1].plot([r["step"] for r in ev], [r["eval_accuracy"] for r in ev], "o-", label="held-out greedy accuracy")
+    for a in ax:
+        a.set_xlabel("step")
+        a.legend()
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "curves.png"), dpi=100)
+    plt.close(fig)

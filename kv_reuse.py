@@ -5,26 +5,22 @@ repeated G times, and only the completions run on top of them.
     full path  : B*G*(P+C) tokens through the trunk     (every completion re-reads its whole prompt)
     reuse path : B*(P-1) + B*G*C tokens                  (prefill once, then the G completions attend to it)
 
-completion_hidden() returns the final-norm hidden states that predict each completion token; the caller applies
-lm_head (logprobs.py). Sampling the completions is rollout.py's (it reuses positions/trim_left_padding from here).
+The caller applies lm_head to completion_hidden's output (logprobs.py). Sampling the completions is rollout.py's.
 
 Why the prefill must keep its graph: the completions' loss reaches the prompt's positions only through their K/V
 (TRL PR #2669 ran the prefill under no_grad and lost all of it: half the embedding gradient in test_kv_*'s tiny
 models, and every weight's gradient from the prompt positions). Gradient checkpointing re-runs each decoder
 layer in backward, so the caches here never append: the prefill's cache *sets* each layer's K/V once, and the
 completion pass's cache returns cat(prefix, new) without storing anything, so a recompute sees the same tensors.
-transformers' checkpointing wrapper drops `past_key_values` unless the layer has `_can_checkpoint_with_cache`
-(5.17 through 5.23), which we set on the layer instances for the duration of the call.
+transformers' checkpointing wrapper drops a layer's cache argument unless the layer has `_can_checkpoint_with_cache`
+(5.17 on), which we set on the layer instances for the duration of the call.
 
 Attention in the completion pass: each of the B*G rows attends its prompt (P-1 keys) plus its own completion,
-lower-right causal. HF builds that mask from the 2D (B*G, P-1+C) padding mask we pass; when no prompt has padding
-(sdpa only) we hand SDPA torch's lower-right CausalBias instead, which runs as flash attention, with the K/V heads
-unrepeated (GQA inside the kernel; lower_right_sdpa).
-
-    completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size, reuse=True)
-        -> (B*G, C, H) final-norm hidden states, row t predicts completion token t
+lower-right causal. HF builds that mask from the 2D (B*G, P-1+C) padding mask we pass; with no prompt padding under
+sdpa, flash attention runs it with no mask at all (LowerRightCausal, lower_right_sdpa).
 """
 import contextlib
+import inspect
 import json
 import math
 import sys
@@ -39,7 +35,6 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # full-attention decoders whose trunk we have checked
-FLASH_LOWER_RIGHT = True  # sdpa + no prompt padding: lower-right causal attention instead of a materialized mask
 
 # ----------------------------------------------------------------------------------------------------------------
 # caches that are idempotent under gradient-checkpoint recompute
@@ -81,10 +76,11 @@ class PrefixLayer(DynamicLayer):
 
 
 class LowerRightCausal(torch.Tensor):
-    """4D stand-in for the (B*G, 1, C, P'+C) mask when no row has padding in its prompt. HF returns a 4D mask as
-    given and hands it to SDPA, where we swap it for torch's lower-right CausalBias: query t of the completion pass
-    sees keys <= P'+t, which flash attention does natively (no mask in memory, no mem-efficient fallback). Right
-    padding of the completions needs no mask: a real query never reaches a padding key (they all come after it)."""
+    """4D stand-in for the (B*G, 1, C, P'+C) mask when no row has padding in its prompt. HF hands a 4D mask as given
+    to the attention function (lower_right_sdpa), which runs torch's lower-right CausalBias instead, as SDPA itself
+    would here: query t of the completion pass sees keys <= P'+t, which flash attention does natively (no mask in
+    memory, no mem-efficient fallback). Right padding of the completions needs no mask: a real query never reaches a
+    padding key (they all come after it)."""
 
     @staticmethod
     def __new__(cls, shape, device):
@@ -135,7 +131,7 @@ def use_lower_right_sdpa():
 
 @contextlib.contextmanager
 def cache_through_checkpoint(trunk):
-    """Let our caches into checkpointed decoder layers (transformers sets past_key_values=None otherwise)."""
+    """Let our caches into checkpointed decoder layers (transformers drops a layer's cache argument otherwise)."""
     layers = [m for m in trunk.layers if isinstance(m, GradientCheckpointingLayer)]
     for layer in layers:
         if layer.gradient_checkpointing and layer.training and torch.is_grad_enabled():
@@ -143,9 +139,8 @@ def cache_through_checkpoint(trunk):
             if kw.get("use_reentrant", True) is not False:
                 # reentrant checkpoint runs the layer under no_grad and only backprops into positional args: the
                 # prefix K/V (reached through the cache) would get no gradient at all.
-                raise ValueError(
-                    "kv_reuse needs non-reentrant gradient checkpointing; enable it with "
-                    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
+                raise ValueError("kv_reuse needs non-reentrant gradient checkpointing (use_reentrant=False); "
+                                 "enable it with kv_reuse.checkpointing_enable(model)")
     saved = [layer.__dict__.get("_can_checkpoint_with_cache") for layer in layers]
     for layer in layers:
         layer._can_checkpoint_with_cache = True
@@ -159,8 +154,21 @@ def cache_through_checkpoint(trunk):
                 layer._can_checkpoint_with_cache = v
 
 
+def checkpointing_enable(model):
+    """non-reentrant gradient checkpointing, the kind the reuse path needs. transformers 5.23 renamed
+    gradient_checkpointing_enable (which warns there) to activation_checkpointing_enable."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # helpers
+
+
+def cache_arg(model, cache):
+    """{name: cache} for model's forward: transformers 5.24 renamed its `past_key_values` argument (which warns
+    there) to `cache`"""
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
 
 
 def positions(mask):
@@ -177,8 +185,6 @@ def reuse_unsupported(model):
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         return f"layer_types {sorted(set(layer_types))} include non-full attention (sliding window / hybrid)"
-    if not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
-        return "this transformers version has no GradientCheckpointingLayer._can_checkpoint_with_cache"
     return ""
 
 
@@ -238,7 +244,7 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
         # 1) prefill prompt[:, :-1] once per group; CaptureLayer keeps each layer's K/V with its graph
         capture = Cache(layers=[CaptureLayer() for _ in trunk.layers])
         trunk(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1], position_ids=pos[:, :-1],
-              past_key_values=capture, use_cache=False)
+              **cache_arg(trunk, capture), use_cache=False)
         prefix = Cache(layers=[PrefixLayer(l.keys, l.values, G) for l in capture.layers])
         # 2) completion pass: [last prompt token, completion[:-1]] (B*G, C) on top of the prefix, so output row t
         # predicts completion token t. The 2D mask covers prefix + new tokens; HF builds causal+padding from it.
@@ -246,10 +252,11 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
         mask = torch.cat([prompt_mask[:, :-1].repeat_interleave(G, 0), prompt_mask[:, -1:].repeat_interleave(G, 0),
                           completion_mask[:, :-1]], dim=1)  # (B*G, P-1+C)
         pos_c = pos[:, -1:].repeat_interleave(G, 0) + torch.arange(C, device=pos.device)  # continues each prompt
-        if FLASH_LOWER_RIGHT and C > 1 and model.config._attn_implementation == "sdpa" and bool(prompt_mask.all()):
+        if C > 1 and model.config._attn_implementation == "sdpa" and bool(prompt_mask.all()):
             mask = LowerRightCausal((B * G, 1, C, P - 1 + C), ids.device)  # flash, no materialized mask
             use_lower_right_sdpa()  # ...with the K/V heads unrepeated
-        out = trunk(input_ids=ids, attention_mask=mask, position_ids=pos_c, past_key_values=prefix, use_cache=False)
+        out = trunk(input_ids=ids, attention_mask=mask, position_ids=pos_c, **cache_arg(trunk, prefix),
+                    use_cache=False)
     return out.last_hidden_state  # (B*G, C, H)
 
 
@@ -261,7 +268,7 @@ DEV = "cuda" if CUDA else "cpu"
 B_, G_, C_ = (4, 8, 256) if CUDA else (2, 4, 16)
 PROMPT_LENS = (512, 2048, 4096, 8192) if CUDA else (32, 64)
 REPS = 3 if CUDA else 1
-OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+LOGP_IMPL = "fused" if CUDA else "chunked"  # logprobs.py's, as the trainer's logprob_impl=auto picks it
 
 
 def bench_model():
@@ -273,31 +280,13 @@ def bench_model():
         shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=128, vocab_size=1000, max_position_embeddings=1024)
     config = Qwen2Config(**shape, tie_word_embeddings=True, rms_norm_eps=1e-6, attention_dropout=0.0,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    config._attn_implementation = "sdpa"
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
     torch.manual_seed(0)
     with torch.device(DEV):
         model = Qwen2ForCausalLM(config)
     model.to(torch.bfloat16 if CUDA else torch.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # 5.23 renamed it activation_checkpointing_enable
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointing_enable(model)
     return model.train()
-
-
-def logp_fn(model):
-    """(hidden, weight, targets) -> logp with logprobs.py: fused on the GPU if it passes a smoke test, else chunked"""
-    from logprobs import token_logprobs
-    for impl in ("fused", "chunked") if CUDA else ("chunked",):
-        fn = lambda h, w, t, impl=impl: token_logprobs(h, w, t, entropy=False, impl=impl)[0]
-        try:  # the benchmark's (V, H) and dtype; compiles the kernel before any timing
-            w = model.lm_head.weight.detach().clone().requires_grad_()
-            h = torch.randn(64, w.shape[1], device=DEV, dtype=w.dtype, requires_grad=True)
-            fn(h, w, torch.arange(64, device=DEV)).sum().backward()
-            return fn, f"logprobs.{impl}"
-        except Exception as e:  # noqa: BLE001 - fall back rather than lose the whole benchmark
-            print(f"logprobs impl={impl} failed ({type(e).__name__}: {e})")
-    raise RuntimeError("no usable logprobs.token_logprobs impl")
 
 
 def sync():
@@ -329,16 +318,23 @@ def bench_batch(model, P, mixed=False):
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
-def grad_check(model, logp, P):
+def train_step(model, batch, reuse):
+    """one fwd+bwd of the benchmark's loss, the mean completion log-prob; returns the masked log-probs (B*G, C)"""
+    from logprobs import token_logprobs
+    completion_ids, completion_mask = batch[2:]
+    h = completion_hidden(model, *batch, G_, reuse=reuse)
+    lp = token_logprobs(h, model.lm_head.weight, completion_ids, entropy=False, impl=LOGP_IMPL)[0].view(B_ * G_, C_)
+    (-(lp * completion_mask).sum() / completion_mask.sum()).backward()
+    return lp.detach() * completion_mask
+
+
+def grad_check(model, P):
     """relative difference of every parameter's gradient, reuse vs full path, one step at (B, G, C, P); in bf16
     both sides carry rounding noise (~1e-2), a lost prompt-K/V gradient (TRL #2669) shows up as ~0.5"""
-    prompt_ids, prompt_mask, completion_ids, completion_mask = bench_batch(model, P)
-    grads = []
+    batch, grads = bench_batch(model, P), []
     for reuse in (False, True):
         model.zero_grad(set_to_none=True)
-        h = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, G_, reuse=reuse)
-        lp = logp(h, model.lm_head.weight, completion_ids).view(B_ * G_, C_)
-        (-(lp * completion_mask).sum() / completion_mask.sum()).backward()
+        train_step(model, batch, reuse)
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
     model.zero_grad(set_to_none=True)
     rel = {n: ((grads[1][n].float() - g.float()).norm() / g.float().norm().clamp_min(1e-30)).item()
@@ -369,17 +365,10 @@ def flop_ratio(config, P):
     return full / reuse
 
 
-def bench_train(model, logp, P, reuse, mixed=False):
-    """ms per fwd+bwd (completion_hidden + log-prob loss + backward) and peak GiB allocated"""
-    prompt_ids, prompt_mask, completion_ids, completion_mask = bench_batch(model, P, mixed)
-
-    def step():
-        h = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, G_, reuse=reuse)
-        lp = logp(h, model.lm_head.weight, completion_ids).view(B_ * G_, C_)
-        loss = -(lp * completion_mask).sum() / completion_mask.sum()
-        loss.backward()
-        return lp.detach() * completion_mask
-
+def bench_train(model, P, reuse, mixed=False):
+    """ms per fwd+bwd (train_step) and peak GiB allocated"""
+    batch = bench_batch(model, P, mixed)
+    step = lambda: train_step(model, batch, reuse)  # noqa: E731
     try:
         model.zero_grad(set_to_none=True)
         step()  # warm-up; grads stay allocated, as in training
@@ -394,9 +383,10 @@ def bench_train(model, logp, P, reuse, mixed=False):
         peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else None
         return ms, peak, lp.float().cpu(), ""
     except Exception as e:  # noqa: BLE001 - an OOM (or any failure) is a row that says so, not a dead benchmark
-        if not isinstance(e, OOM):
+        oom = isinstance(e, torch.OutOfMemoryError)
+        if not oom:
             traceback.print_exc()
-        return None, None, None, "OOM" if isinstance(e, OOM) else f"{type(e).__name__}: {e}"
+        return None, None, None, "OOM" if oom else f"{type(e).__name__}: {e}"
     finally:
         model.zero_grad(set_to_none=True)
         free()
@@ -407,53 +397,39 @@ def main():
     if not CUDA:
         torch.set_num_threads(1)  # tiny smoke shapes; the shared CPU is faster on one thread
     model = bench_model()
-    logp, logp_name = logp_fn(model)
     dev_name = torch.cuda.get_device_name() if CUDA else "cpu"
     print(f"kv_reuse benchmark on {dev_name}: torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{'bf16' if CUDA else 'fp32'}, sdpa, GC on (non-reentrant), loss={logp_name}")
+          f"{'bf16' if CUDA else 'fp32'}, sdpa, GC on (non-reentrant), loss=logprobs.{LOGP_IMPL}")
     print(f"Qwen2-shaped random model: hidden {model.config.hidden_size}, {model.config.num_hidden_layers} layers, "
           f"vocab {model.config.vocab_size}; B={B_} G={G_} C={C_}; ms per fwd+bwd (mean of {REPS}), peak GiB")
     try:
-        gcheck = grad_check(model, logp, PROMPT_LENS[0])
+        gcheck = grad_check(model, PROMPT_LENS[0])
         print(f"grad check at P={gcheck['P']}: ||g_reuse - g_full|| / ||g_full|| = {gcheck['all_params']:.2e} over all "
               f"parameters, embeddings {gcheck['embed']:.2e}, worst {gcheck['worst_param']} {gcheck['worst']:.2e}")
     except Exception as e:  # noqa: BLE001
         gcheck = f"{type(e).__name__}: {e}"
         print(f"grad check failed: {gcheck}")
-    print(f"{'P':>6} | {'full ms':>9} {'GiB':>6} | {'reuse ms':>9} {'GiB':>6} | "
-          f"{'speedup':>7} {'tokens':>7} {'flops':>6} | "
-          f"{'max|dlogp|':>10}")
-    global FLASH_LOWER_RIGHT
-    rows, flash_ok = [], True
-    P2 = PROMPT_LENS[-2]
-    specs = [(P, False, True) for P in PROMPT_LENS] + [(P2, False, False), (P2, True, True)]
-    for P, mixed, flash in specs:
-        ms_f, gb_f, lp_f, err_f = bench_train(model, logp, P, reuse=False, mixed=mixed)
-        FLASH_LOWER_RIGHT = flash and flash_ok
-        ms_r, gb_r, lp_r, err_r = bench_train(model, logp, P, reuse=True, mixed=mixed)
-        if err_r and err_r != "OOM" and FLASH_LOWER_RIGHT and not mixed:
-            print(f"lower-right flash path failed ({err_r}); mask path from here on")
-            flash_ok = FLASH_LOWER_RIGHT = False
-            ms_r, gb_r, lp_r, err_r = bench_train(model, logp, P, reuse=True, mixed=mixed)
-        FLASH_LOWER_RIGHT = True
+    print(f"{'P':>6} | {'full ms':>9} {'GiB':>6} | {'reuse ms':>9} {'GiB':>6} | {'speedup':>7} {'tokens':>7} "
+          f"{'flops':>6} | {'max|dlogp|':>10}")
+    rows = []
+    for P, mixed in [(P, False) for P in PROMPT_LENS] + [(PROMPT_LENS[-2], True)]:
+        ms_f, gb_f, lp_f, err_f = bench_train(model, P, reuse=False, mixed=mixed)
+        ms_r, gb_r, lp_r, err_r = bench_train(model, P, reuse=True, mixed=mixed)
         ceiling, flops = B_ * G_ * (P + C_) / (B_ * (P + G_ * C_)), flop_ratio(model.config, P)
         speedup = ms_f / ms_r if ms_f and ms_r else None
         diff = (lp_f - lp_r).abs().max().item() if lp_f is not None and lp_r is not None else None
-        rows.append(dict(P=P, mixed_lengths=mixed, reuse_flash_lower_right=flash and flash_ok and not mixed,
-                         full_ms=ms_f, full_gib=gb_f, reuse_ms=ms_r, reuse_gib=gb_r, speedup=speedup,
-                         token_ceiling=ceiling, flop_ratio=flops, max_abs_logp_diff=diff, full_error=err_f,
-                         reuse_error=err_r))
+        rows.append(dict(P=P, mixed_lengths=mixed, full_ms=ms_f, full_gib=gb_f, reuse_ms=ms_r, reuse_gib=gb_r,
+                         speedup=speedup, token_ceiling=ceiling, flop_ratio=flops, max_abs_logp_diff=diff,
+                         full_error=err_f, reuse_error=err_r))
         fmt = lambda v, spec, err="": (format(v, spec) if v is not None else (err or "-")[:3]).rjust(
             int(spec.split(".")[0]))
-        label = f"{P}{'*' if mixed else ''}{'~' if not flash else ''}"
-        print(f"{label:>6} | {fmt(ms_f, '9.1f', err_f)} {fmt(gb_f, '6.2f', err_f)} | {fmt(ms_r, '9.1f', err_r)} "
-              f"{fmt(gb_r, '6.2f', err_r)} | {fmt(speedup, '6.2f')}x {ceiling:6.2f}x {flops:5.2f}x | "
-              f"{fmt(diff, '10.2e')}", flush=True)
+        print(f"{str(P) + '*' * mixed:>6} | {fmt(ms_f, '9.1f', err_f)} {fmt(gb_f, '6.2f', err_f)} | "
+              f"{fmt(ms_r, '9.1f', err_r)} {fmt(gb_r, '6.2f', err_r)} | {fmt(speedup, '6.2f')}x {ceiling:6.2f}x "
+              f"{flops:5.2f}x | {fmt(diff, '10.2e')}", flush=True)
     print("     * mixed lengths: prompts in [P/2, P] left-padded, completions in [C/2, C] right-padded (mask path)")
     print("     tokens: B*G*(P+C) / B*(P+G*C); flops: full/reuse FLOPs (flop_ratio), the speedup at equal efficiency")
-    print("     ~ reuse with FLASH_LOWER_RIGHT off: the completion pass gets a materialized (B*G, 1, C, P+C-1) mask")
     print(json.dumps(dict(device=dev_name, torch=torch.__version__, transformers=transformers.__version__,
-                          B=B_, G=G_, C=C_, loss=logp_name, grad_check=gcheck, train=rows)))
+                          B=B_, G=G_, C=C_, loss=f"logprobs.{LOGP_IMPL}", grad_check=gcheck, train=rows)))
 
 
 if __name__ == "__main__":

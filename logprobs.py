@@ -191,8 +191,7 @@ def _time(fn, dev, reps):
         fn()
         _sync(dev)
         times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    return sorted(times)[len(times) // 2]
 
 
 def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
@@ -258,17 +257,14 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
     return rows
 
 
-def _gib(x):
-    return "n/a" if x is None else f"{x:.3f}"
-
-
 def _fmt(r):
     head = f"{r['shape']:<13} {r['impl']:<8}"
     if r.get("oom"):
         return f"{head} {'OOM':>9}"
     errs = " ".join("      n/a" if r[k] is None else f"{r[k]:9.2e}"
                     for k in ("err_logp", "err_ent", "err_dh", "err_dw"))
-    return f"{head} {r['ms']:9.2f} {r['floor_ms']:9.2f} {r['ratio']:6.3f} {_gib(r['peak_gib']):>8} {errs}"
+    peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.3f}"
+    return f"{head} {r['ms']:9.2f} {r['floor_ms']:9.2f} {r['ratio']:6.3f} {peak:>8} {errs}"
 
 
 def main():
@@ -294,11 +290,6 @@ def main():
         print("(liger row: Liger's fused linear cross-entropy, reduction='none', logp only: no entropy work)")
     except ImportError:
         print("(liger_kernel not installed: no liger row)")
-    try:
-        import cut_cross_entropy  # noqa: F401
-        print("(cut_cross_entropy is importable, but this benchmark has no row for it)")
-    except ImportError:
-        print("(cut_cross_entropy not installed: no row)")
     print(f"{'shape':<13} {'impl':<8} {'ms':>9} {'floor_ms':>9} {'ratio':>6} {'peak_GiB':>8} "
           f"{'err_logp':>9} {'err_ent':>9} {'err_dH':>9} {'err_dW':>9}")
     rows = []

@@ -77,17 +77,12 @@ def safe_eval(expr):
         return None
 
 
-# The format line asks for the equation before the answer and shows a negative one. SmolLM2-135M-Instruct writes no
-# negative number unprompted: with "End your reply with: The answer is NUMBER." it gave 0 correct of 256 samples
-# (T=0.7) on questions with a negative answer (23% of 1-digit ones), those never carried gradient, and runs sat under
-# a 0.77 ceiling. A shown "-3" is copied (6/256 right, all on -3 answers), a foothold but no skill. What the H100 runs
-# that broke through learned was an order: "1 - 6 = -5. The answer is -5." Writing the equation first puts the
-# operands right before the digit the model must produce, and the runs that wrote the answer first and explained
-# after ("The answer is 1. ... 1 - 6 = ...") stayed stuck. So the line asks for that order: held-out greedy >= 0.90
-# within 5 minutes came in 9 of 10 solo runs over seeds of the default config with it (H200; 9 of 11 on an H100,
-# several at once; 4 of 7 with 8 completions a prompt), against 2 of 28 runs (at any time) with "..., for example: The
-# answer is 12 or The answer is -3." (README). The untrained model mostly copies the example (held-out greedy 0.03;
-# with the answer-only line: 0.15).
+# The format line asks for the equation before the answer and shows a negative one. Asked only for "The answer is
+# NUMBER.", SmolLM2-135M-Instruct wrote no negative number: 0 right of 256 samples (T=0.7) on questions with a
+# negative answer (23% of 1-digit ones), so those never carried gradient and runs sat under 0.77; a shown "-3" is only
+# copied. The runs that broke through wrote the equation first ("1 - 6 = -5. The answer is -5.": the operands right
+# before the digit to produce); answer-first ones stayed stuck. With this line held-out greedy >= 0.90 came within 5
+# minutes in 9 of 10 seeds of the default config (H200), against 2 of 28 runs with an example-only line (README).
 ARITHMETIC_FORMAT = ("Write the equation with its result, then end your reply with: The answer is NUMBER. "
                      "For example, for 2 - 5: 2 - 5 = -3. The answer is -3.")
 
@@ -321,9 +316,8 @@ def check_training_pool(make_prompts, seed, difficulty, exclude):
 
 def train_prompts(make_prompts, n, seed, difficulty, exclude):
     """the n questions of one step: the first n outside the held-out set in the endless stream make_prompts(4n, seed),
-    then make_prompts(4n, seed * 1_000_003 + r) for r = 1, 2, ... (one draw used to be all there was: with
-    prompts_per_step=1 and 1-digit arithmetic, half of whose questions are held out, it ran dry at step 11, and at
-    that same step again on every resume). It depends on (seed, step) alone, so a resumed run draws exactly what an
+    then make_prompts(4n, seed * 1_000_003 + r) for r = 1, 2, ... (one draw ran dry with prompts_per_step=1 on 1-digit
+    arithmetic, half of it held out). It depends on (seed, step) alone, so a resumed run draws exactly what an
     unbroken one would; check_training_pool makes sure a few rounds suffice."""
     out = []
     for r in range(1000):

@@ -1159,7 +1159,7 @@ def test_batching_grad_same_for_any_micro_batch_split():
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.01 * torch.randn_like(p))  # a reference that differs, so the KL has a gradient
-    assert {v["loss_type"] for v in _LOSS_VARIANTS} == set(batching.LOSS_TYPES)
+    assert {v["loss_type"] for v in _LOSS_VARIANTS} == set(config.CHOICES["loss_type"])
     for variant in _LOSS_VARIANTS:
         grads = []
         for budget in (10**6, 1):
@@ -1523,7 +1523,7 @@ def test_batching_loss_matches_trl_compute_loss():
     adv = torch.tensor([1.0, -0.5, 2.0, -1.5])
     acc = SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x,
                           pad_across_processes=lambda x, dim, pad_index: x, gather_for_metrics=lambda x: x)
-    for loss_type in batching.LOSS_TYPES:
+    for loss_type in config.CHOICES["loss_type"]:
         for level in ("token", "sequence"):
             for q in (1.0, 0.3):
                 eps_high = 1.3 if loss_type == "cispo" else 0.28
