@@ -41,7 +41,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 import decode_kernels
 from decode_kernels import decode_attention_op, record, sample, sample_triton
-from kv_reuse import positions, reuse_unsupported, trim_left_padding
+from kv_reuse import cache_arg, positions, reuse_unsupported, trim_left_padding
 from lora import effective_weight
 
 CUDA_GRAPH = True  # on CUDA: capture each decode step (forward + sampling) as a graph and replay it per token
@@ -366,7 +366,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         # 1) prefill each prompt once; its K/V (B, kvh, P, D) per layer are the shared prefix of its G rows
         pos = positions(prompt_mask)  # (B, P)
         cache = DynamicCache(config=model.config)
-        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, past_key_values=cache,
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, **cache_arg(model, cache),
                     use_cache=True, logits_to_keep=1)
         # one layout for K and V; one dtype: the autocast dtype if on (fp32 weights under autocast mix fp32 and bf16)
         kv_dtype = (torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else

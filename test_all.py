@@ -83,6 +83,7 @@ from kernel import fused_logprobs  # noqa: E402
 from logprobs import token_logprobs  # noqa: E402
 import config  # noqa: E402  (grpo's knobs and checks)
 import decode_kernels  # noqa: E402
+from kv_reuse import checkpointing_enable as kv_checkpointing_enable  # noqa: E402
 
 
 def _kl_ref(h, w, t, T, g, g_ent, entropy=True):
@@ -443,7 +444,7 @@ def test_kv_parity_logp_and_grads():
         for gc in (False, True):
             model = _kv_model(arch, tied, attn_implementation=attn)
             if gc:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                kv_checkpointing_enable(model)
             model.train()
             name = f"{arch} tied={tied} {attn} gc={gc}"
             logp_full, grads_full = _kv_loss_and_grads(model, batch, G, reuse=False)
@@ -471,7 +472,7 @@ def test_kv_no_grad_and_inference_mode():
     G = 3
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch = _kv_batch(G=G, seed=2)
     model = _kv_model("qwen2", tied=False)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kv_checkpointing_enable(model)
     model.train()  # GC active even without grad
     with torch.no_grad():
         want = _kv_logp(model, kv_reuse.completion_hidden(model, *batch, G, reuse=False), completion_ids)
@@ -490,7 +491,7 @@ def test_kv_edge_shapes():
     import kv_reuse
     G = 3
     model = _kv_model("qwen2", tied=True)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kv_checkpointing_enable(model)
     model.train()
     padded = _kv_batch(P=9, prompt_lens=(5, 2, 3), seed=5)
     padded = (padded[0], padded[1].bool(), padded[2], padded[3].bool())
@@ -569,7 +570,8 @@ def test_kv_bad_inputs_and_unsupported_models():
     assert_raises(ValueError, lambda: kv_reuse.completion_hidden(
         model, prompt_ids, prompt_mask, completion_ids[:-1], completion_mask[:-1], G), "B*G")
     # reentrant checkpointing would silently drop the prompt K/V gradient: refuse it
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)(
+        {"use_reentrant": True})  # (the kind kv_reuse refuses)
     model.train()
     assert_raises(ValueError, lambda: kv_reuse.completion_hidden(model, *batch, G), "use_reentrant")
     # a sliding-window model: one warning, then the full path (never wrong numbers)
@@ -894,7 +896,7 @@ def test_rollout_compiled_decode_under_gradient_checkpointing():
     model = _kv_model("qwen2", tied=True, num_hidden_layers=3)
     prompt_ids, prompt_mask, _, _ = _kv_batch(G=2, prompt_lens=(7, 2, 4), seed=5)
     ref = _kv_generate_reference(model, prompt_ids, prompt_mask, 8, eos=99999)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kv_checkpointing_enable(model)
     model.train()
 
     def training_hook(module, args):
@@ -1027,7 +1029,7 @@ def test_rollout_sampling_reproducible():
     import rollout
     G, T = 4, 6
     model = _kv_model("llama")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kv_checkpointing_enable(model)
     model.train()  # as in the trainer: generate_groups samples in eval mode, then restores train mode
     prompt_ids, prompt_mask, _, _ = _kv_batch(B=2, G=G, prompt_lens=(7, 3), seed=4)
     kw = dict(eos_token_id=2, pad_token_id=0)
@@ -1843,7 +1845,7 @@ def test_lora_gradients_equal_peft():
     (ref * w).sum().backward()
     want = {n[len("base_model.model."):]: p.grad for n, p in pm.named_parameters() if p.grad is not None}
     assert want and all("lora_" in n for n in want), sorted(want)[:4]
-    ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kv_checkpointing_enable(ours)
     ours.train()
     for reuse in (True, False):
         for impl in ("chunked", "fused"):
