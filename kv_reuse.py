@@ -154,11 +154,11 @@ def cache_through_checkpoint(trunk):
                 layer._can_checkpoint_with_cache = v
 
 
-def checkpointing_enable(model):
-    """non-reentrant gradient checkpointing, the kind the reuse path needs. transformers 5.23 renamed
+def checkpointing_enable(model, use_reentrant=False):
+    """gradient checkpointing, non-reentrant by default: the kind the reuse path needs. transformers 5.23 renamed
     gradient_checkpointing_enable (which warns there) to activation_checkpointing_enable."""
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable({"use_reentrant": False})
+    enable({"use_reentrant": use_reentrant})
 
 
 # ----------------------------------------------------------------------------------------------------------------

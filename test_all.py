@@ -570,8 +570,7 @@ def test_kv_bad_inputs_and_unsupported_models():
     assert_raises(ValueError, lambda: kv_reuse.completion_hidden(
         model, prompt_ids, prompt_mask, completion_ids[:-1], completion_mask[:-1], G), "B*G")
     # reentrant checkpointing would silently drop the prompt K/V gradient: refuse it
-    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)(
-        {"use_reentrant": True})  # (the kind kv_reuse refuses)
+    kv_checkpointing_enable(model, use_reentrant=True)  # (the kind kv_reuse refuses)
     model.train()
     assert_raises(ValueError, lambda: kv_reuse.completion_hidden(model, *batch, G), "use_reentrant")
     # a sliding-window model: one warning, then the full path (never wrong numbers)
