@@ -85,6 +85,15 @@ def encode_prompts(tokenizer, questions, max_prompt_len, dev):
     return enc.input_ids.to(dev), enc.attention_mask.to(dev)
 
 
+def score(reward_fn, tokenizer, buf, pairs, n):
+    """(texts, reward_fn's [(total, correct, [each reward])]) of buf's completions, rows prompt-major: row i answers
+    pairs[i // n] = (question, example). Its token ids are cut at its length, the EOS included (TRL's count)."""
+    texts = tokenizer.batch_decode(buf["completion_ids"], skip_special_tokens=True)
+    ids = [row[:L] for row, L in zip(buf["completion_ids"].tolist(), buf["completion_mask"].sum(1).tolist())]
+    rows = [pairs[i // n] for i in range(len(texts))]
+    return texts, reward_fn([q for q, _ in rows], texts, [e for _, e in rows], ids)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # the loop
 # ------------------------------------------------------------------------------------------------------------------
@@ -144,8 +153,7 @@ def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
         for n, temp in ((1, 0.0),) + (((k, cfg.eval_temperature),) if k else ()):
             buf = rollout(model, ids, mask, n, cfg.max_completion_len, temp, 1.0, stop_token_ids(model, tokenizer),
                           tokenizer.pad_token_id, cfg.compile)
-            texts = tokenizer.batch_decode(buf["completion_ids"], skip_special_tokens=True)
-            scored = [reward_fn(text, chunk[j // n][1]) for j, text in enumerate(texts)]  # rows prompt-major
+            texts, scored = score(reward_fn, tokenizer, buf, chunk, n)
             if n == 1 and temp == 0.0:
                 correct += sum(ok for _, ok, _ in scored)
                 fmt += sum(r > 0 for r, _, _ in scored)
@@ -188,9 +196,8 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
         except torch.cuda.OutOfMemoryError as e:
             raise torch.cuda.OutOfMemoryError("out of GPU memory while generating: lower --prompts_per_step, "
                                               "--group_size or --max_completion_len") from e
-        texts = tokenizer.batch_decode(buf["completion_ids"], skip_special_tokens=True)
         lens = buf["completion_mask"].sum(1).tolist()
-        scored = [reward_fn(text, batch[i // G][1]) for i, text in enumerate(texts)]  # rows prompt-major (b*G + g)
+        scored = score(reward_fn, tokenizer, buf, batch, G)[1]  # rows prompt-major (b*G + g)
         pens = [overlong_penalty(L, cfg.max_completion_len, cfg.soft_punish_cache, cfg.overlong_penalty_factor)
                 for L in lens]
         r = torch.tensor([s[0] + p for s, p in zip(scored, pens)], dtype=torch.float32, device=dev)  # (B*G,)
@@ -221,7 +228,7 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
                  extra_rollouts=sum(t - 1 for t in tries) * n * G,
                  sampled_frac_reward_zero_std=n_flat / (n * sum(tries)), decode=draws[0][0]["decode"])
     for i, name in enumerate(reward_names(cfg.reward)):
-        stats[f"reward/{name}"] = statistics.fmean(s[2][i] for s in sampled)
+        stats[f"reward/{name}"] = torch.tensor([s[2][i] for s in sampled]).nanmean().item()  # (TRL: None rows out)
     if cfg.soft_punish_cache:
         stats["reward/overlong"] = statistics.fmean(s[3] for s in sampled)
     return buf, rewards, stats
@@ -333,7 +340,9 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         # 1. generate once for the whole generation batch; 2. rewards, one per completion
         t0 = time.time()
         policy.eval()
-        errors_before = reward_count["errors"]
+        errors_before, n_opt = reward_count["errors"], cfg.num_iterations * cfg.steps_per_generation
+        reward_count.update(metrics={}, state=SimpleNamespace(  # the rewards' log_metric values; TRL's trainer_state:
+            global_step=(step - 1) * n_opt, max_steps=cfg.max_steps * n_opt))  # optimizer steps before / in all
         with gathered(policy):  # FSDP2: the full weights for this step's generation (a no-op otherwise)
             buf, rewards, sample_stats = sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn,
                                                      eval_questions, dev)
@@ -360,6 +369,9 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
                    lr=optimizer.param_groups[0]["lr"], gen_s=t1 - t0, update_s=t2 - t1, tokens_per_s=n_tok / (t2 - t0),
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0,
                    minutes=(time.time() - t_start) / 60)
+        metrics = all_ranks(reward_count["metrics"])  # the rewards' log_metric values: each one's mean over the ranks
+        rec |= {k: statistics.fmean(v for m in metrics for v in m.get(k, ())) for k in sorted(set().union(*metrics))
+                if k not in rec}
         rec = {k: v for k, v in rec.items() if not (isinstance(v, float) and math.isnan(v))}  # strict JSON: no NaN
         out_of_time = rank0_value(cfg.max_minutes > 0 and time.time() - t_start > cfg.max_minutes * 60)  # all stop
         flat = flat + 1 if rec["sampled_frac_reward_zero_std"] == 1.0 else 0  # (over every rank's groups)
@@ -402,7 +414,9 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
 # ------------------------------------------------------------------------------------------------------------------
 def format_record(r):
     r = {k: math.nan for k in ("clip_ratio", "clip_low", "clip_high", "entropy")} | r
-    s = (f"step {r['step']}: reward {r['reward_mean']:.3f}±{r['reward_std']:.3f} acc {r['accuracy']:.3f} "
+    each = [f"{k[7:]} {v:.3f}" for k, v in r.items() if k.startswith("reward/")]  # each reward's mean, if several
+    s = (f"step {r['step']}: reward {r['reward_mean']:.3f}±{r['reward_std']:.3f}"
+         + (f" ({', '.join(each)})" if len(each) > 1 else "") + f" acc {r['accuracy']:.3f} "
          f"zero_std {r['frac_reward_zero_std']:.2f} len {r['completion_len_mean']:.1f}/{r['completion_len_max']} "
          f"loss {r['loss']:.4f} clip {r['clip_ratio']:.3f} (lo {r['clip_low']:.3f} hi {r['clip_high']:.3f}) "
          f"ent {r['entropy']:.3f} gnorm {r['grad_norm']:.3f} gen {r['gen_s']:.1f}s upd {r['update_s']:.1f}s "

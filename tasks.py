@@ -1,10 +1,9 @@
 """
 nanoGRPO's tasks: make_prompts(n, seed, difficulty) -> [(question, example)], reward(completion, example) ->
-(reward, correct). Plain functions: swap TASKS[name] for your own. The example is whatever the generator paired with
-the question: the target for arithmetic / countdown, the JSON object (a dict) for a dataset task (--task=jsonl:PATH
-or hf:NAME[:config]). Then what the trainer does with any task: the held-out split, the endless training prompt
-stream, reward plug-ins (--reward=module:function, weighted), the guard that keeps a raising reward from ending a
-run, and DAPO's soft overlong penalty. Imports nothing from the project.
+(reward, correct); plain functions: swap TASKS[name] for your own. The example is the target for arithmetic /
+countdown, the row (a dict) for a dataset task (--task=jsonl:PATH or hf:NAME[:config]). Then what the trainer does
+with any task: the held-out split, the training prompt stream, reward plug-ins (--reward, weighted: per completion or
+TRL's batched form) and their guard, DAPO's soft overlong penalty. Imports nothing from the project.
 
 The answer is the last "The answer is X": correct 1.0, the format with a wrong X 0.1, else 0. Anywhere, not only at
 the end: the default run's policy then repeats its answer block to max_completion_len, but with the answer read only
@@ -19,6 +18,7 @@ minus signs raised RecursionError there, and 9**9**9 would never return).
 import ast
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -27,6 +27,7 @@ import re
 import sys
 import traceback
 from fractions import Fraction
+from types import SimpleNamespace
 
 NUMBER_RE = re.compile(r"answer is:?\s*(-?\d[\d,]*)", re.I)
 EXPR_RE = re.compile(r"answer is:?\s*([\d\s+\-*/()]*\d[\d\s+\-*/()]*)", re.I)
@@ -253,9 +254,8 @@ EVAL_SEED = 10**9 + 7  # held-out set: a seed no training step uses (see step_se
 
 
 def step_seed(seed, step, draw=0):
-    """the prompt seed of training step `step`'s draw `draw` (dynamic sampling draws again): one no other (step,
-    draw) and not EVAL_SEED uses, a function of the config's seed alone, so a resumed run draws what an unbroken one
-    would"""
+    """the prompt seed of step `step`'s draw `draw` (dynamic sampling draws again): unique per (step, draw), never
+    EVAL_SEED, a function of the config's seed alone, so a resumed run draws what an unbroken one would"""
     return seed * 100_003 + step + draw * 7_919_000_003
 
 
@@ -306,8 +306,7 @@ def held_out_set(make_prompts, n, difficulty):
 
 
 def check_training_pool(make_prompts, seed, difficulty, exclude):
-    """refuse, before anything loads, a held-out set that leaves training (almost) no questions: train_prompts would
-    have to draw for ever"""
+    """refuse, before anything loads, a held-out set leaving training too few questions (train_prompts never ends)"""
     free = sum(q not in exclude for q, _ in make_prompts(1000, seed, difficulty))
     if free < 20:
         raise ValueError(f"--eval_size={len(exclude)} holds out {1000 - free} of 1000 questions drawn at difficulty="
@@ -315,10 +314,9 @@ def check_training_pool(make_prompts, seed, difficulty, exclude):
 
 
 def train_prompts(make_prompts, n, seed, difficulty, exclude):
-    """the n questions of one step: the first n outside the held-out set in the endless stream make_prompts(4n, seed),
-    then make_prompts(4n, seed * 1_000_003 + r) for r = 1, 2, ... (one draw ran dry with prompts_per_step=1 on 1-digit
-    arithmetic, half of it held out). It depends on (seed, step) alone, so a resumed run draws exactly what an
-    unbroken one would; check_training_pool makes sure a few rounds suffice."""
+    """the n questions of one step: the first n outside the held-out set in make_prompts(4n, seed), then in more
+    rounds (one draw ran dry with prompts_per_step=1 on 1-digit arithmetic, half of it held out). A function of
+    (seed, step) alone: a resumed run draws what an unbroken one would; check_training_pool bounds the rounds."""
     out = []
     for r in range(1000):
         out += [p for p in make_prompts(4 * n, seed if r == 0 else seed * 1_000_003 + r, difficulty)
@@ -334,7 +332,7 @@ FILE_MODULES = {}  # real path -> module: a file.py reward runs its top-level co
 
 def load_reward(spec):
     """a reward function from "module:function" (imported like any module: the current directory is on the path)
-    or "path/to/file.py:function". Its signature: fn(completion: str, example) -> float, or -> (float, correct)"""
+    or "path/to/file.py:function", in either form (guard_reward)"""
     mod, sep, fn = spec.rpartition(":")
     if not sep or not mod or not fn:
         raise ValueError(f"--reward={spec!r}: use module:function or path/file.py:function")
@@ -377,18 +375,18 @@ def parse_weights(spec, n):
 
 
 def make_reward(task_reward, spec="", weights=""):
-    """(reward_fn(completion, example) -> (total, correct, [each reward]), error counts). spec: "" (the task's own),
-    or comma-separated "task" / module:function / file.py:function; total = sum_i w_i r_i. `correct` is the first
-    reward's that reports one (False if none does). Each reward is guarded on its own (guard_reward)."""
+    """(reward_fn(questions, completions, examples, completion_ids) -> [(total, correct, [each reward])], counts): a
+    batch a call. spec: "" (the task's own), or comma-separated "task" / module:function / file.py:function; total =
+    sum_i w_i r_i over the rewards that scored the row (TRL's nansum); `correct`: the first reward's that has one."""
     specs = [s.strip() for s in spec.split(",")] if spec else ["task"]
     w = parse_weights(weights, len(specs))
-    counts = {"errors": 0}
-    fns = [guard_reward(task_reward if s == "task" else load_reward(s), counts)[0] for s in specs]
+    counts = {"errors": 0, "metrics": {}, "state": SimpleNamespace(global_step=0, max_steps=0)}
+    fns = [guard_reward(task_reward if s == "task" else load_reward(s), counts) for s in specs]
 
-    def reward_fn(completion, example):
-        parts = [fn(completion, example) for fn in fns]
-        correct = next((ok for _, ok in parts if ok is not None), False)
-        return sum(wi * r for wi, (r, _) in zip(w, parts)), bool(correct), [r for r, _ in parts]
+    def reward_fn(questions, completions, examples, completion_ids):
+        rows = zip(*(fn(questions, completions, examples, completion_ids) for fn in fns))  # a row: [(r, ok)] a reward
+        return [(sum(wi * r for wi, (r, _) in zip(w, parts) if not math.isnan(r)),
+                 bool(next((ok for _, ok in parts if ok is not None), False)), [r for r, _ in parts]) for parts in rows]
     return reward_fn, counts
 
 
@@ -403,25 +401,50 @@ def overlong_penalty(length, max_completion_len, soft_punish_cache, factor=1.0):
     return factor * max(-1.0, min(0.0, (start - length) / soft_punish_cache))
 
 
-def guard_reward(reward_fn, counts=None):
-    """reward_fn that never raises: a call that raises (or returns a non-finite reward) scores (0.0, False) for that
-    completion and is counted in counts["errors"] (the step log's reward_errors); the first traceback is printed,
-    once. A user's reward meeting one odd completion should cost that completion, not a week-long run. A reward may
-    return a bare float: its `correct` is then None."""
-    counts = {"errors": 0} if counts is None else counts
+def guard_reward(reward_fn, counts):
+    """reward_fn in either form (README) as safe(questions, completions, examples, completion_ids) -> [(r, correct)];
+    TRL's batched form, first parameter prompts / completions / completion_ids / **kwargs, its None a NaN. A failed
+    call (or a non-finite reward) scores (0.0, False) for each of its rows, counted in counts["errors"], the first
+    traceback printed: one odd completion should cost that completion, not a week-long run."""
+    sig = inspect.signature(reward_fn).parameters if callable(reward_fn) else {}  # (the config check's None)
+    params = ["**" if p.kind is p.VAR_KEYWORD else name for name, p in sig.items()]
+    batched = params[:1] in (["prompts"], ["completions"], ["completion_ids"], ["**"])
+    ids_kw = "completion_ids" in params or "**" in params  # the per-completion form asks for them
 
-    def safe(completion, target):
+    def failed(n):
+        counts["errors"] += n
+        if counts["errors"] == n:
+            print(f"the reward function failed on a completion (it scores 0; later failures are only counted, as "
+                  f"reward_errors in the log):\n{traceback.format_exc()}", file=sys.stderr)
+        return [(0.0, False)] * n
+
+    def one(completion, example, ids):
         try:
-            out = reward_fn(completion, target)
+            out = reward_fn(completion, example, **({"completion_ids": ids} if ids_kw else {}))
             r, ok = out if isinstance(out, tuple) else (out, None)
-            r = float(r)
-            if not math.isfinite(r):
+            if not math.isfinite(r := float(r)):
                 raise ValueError(f"reward {r} is not finite")
             return r, None if ok is None else bool(ok)
         except Exception:  # noqa: BLE001 - any failure of the reward is the completion's, not the run's
-            counts["errors"] += 1
-            if counts["errors"] == 1:
-                print(f"the reward function failed on a completion (it scores 0; later failures are only counted, as "
-                      f"reward_errors in the log):\n{traceback.format_exc()}", file=sys.stderr)
-            return 0.0, False
-    return safe, counts
+            return failed(1)[0]
+
+    def safe(questions, completions, examples, completion_ids):
+        if not batched:
+            return [one(*row) for row in zip(completions, examples, completion_ids)]
+        rows = [e if isinstance(e, dict) else {"answer": e} for e in examples]  # a built-in task's column: answer
+        try:
+            out = [math.nan if r is None else float(r) for r in reward_fn(
+                prompts=[[{"role": "user", "content": q}] for q in questions], completion_ids=completion_ids,
+                completions=[[{"role": "assistant", "content": c}] for c in completions],
+                **{k: [r.get(k) for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")},
+                trainer_state=counts["state"], log_extra=lambda column, values: None,
+                log_metric=lambda name, value: counts["metrics"].setdefault(name, []).append(float(value)))]
+            if any(math.isinf(r) for r in out):
+                raise ValueError(f"a reward is not finite: {out}")
+        except Exception:  # noqa: BLE001 - as above, for every row of the call
+            return failed(len(completions))
+        if len(out) != len(completions):  # (a bug of the function: not a completion's failure)
+            raise ValueError(f"reward {getattr(reward_fn, '__name__', reward_fn)!r} returned {len(out)} rewards for "
+                             f"{len(completions)} completions: want one per completion")
+        return [(r, None) for r in out]
+    return safe

@@ -1744,7 +1744,8 @@ def test_grpo_cli_two_steps_log_checkpoint_and_resume():
         got = r["eval_samples"]
         assert [(x["question"], x["answer"]) for x in got] == [tuple(e) for e in eval_set[:4]], got
         for x in got:
-            reward, correct, _ = grpo.make_reward(reward_fn, "", "")[0](x["completion"], x["answer"])  # (tasks')
+            reward, correct, _ = grpo.make_reward(reward_fn, "", "")[0](["q"], [x["completion"]], [x["answer"]],
+                                                                        [None])[0]  # (tasks')
             assert (x["reward"], x["correct"]) == (round(reward, 4), correct), x
     res = _quiet_train(_train_args(out, 3, "--eval_size=100", "--resume=True"))
     assert [r["step"] for r in res.records] == [0, 1, 2, 3], [r["step"] for r in res.records]
@@ -2156,6 +2157,174 @@ def test_tasks_jsonl_task_end_to_end_with_plugin_rewards():
         assert r["reward/digits"] > 0 and r["reward/short"] < 0 and r["reward/overlong"] < 0, r
 
 
+def _trl_calculate_rewards():
+    """TRL's own GRPOTrainer._calculate_rewards compiled from its source file (as _trl_compute_loss), its helpers as
+    stand-ins for one process (gather: the identity), or None when TRL is not installed"""
+    import ast
+    import importlib.util
+    import inspect
+    import logging
+    spec = importlib.util.find_spec("trl")
+    if spec is None:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), "trainer", "grpo_trainer.py")
+    cls = next(n for n in ast.parse(open(path).read()).body if isinstance(n, ast.ClassDef) and n.name == "GRPOTrainer")
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "_calculate_rewards")
+    fn.decorator_list = []
+    ns = {"torch": torch, "nn": torch.nn, "is_async_callable": inspect.iscoroutinefunction, "gather": lambda t: t,
+          "profiling_context": lambda self, name: contextlib.nullcontext(), "logger": logging.getLogger("trl")}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), path, "exec"), ns)  # noqa: S102 - TRL's own source
+    return ns["_calculate_rewards"]
+
+
+_BATCHED_REWARDS = '''
+RECEIVED = []
+
+
+def mine(prompts, completions, completion_ids, answer, level, trainer_state, log_metric, **kwargs):
+    """TRL's batched form, reading completion_ids and two dataset columns: None (not scored) where level is 0"""
+    RECEIVED.append(dict(prompts=prompts, completions=completions, completion_ids=completion_ids, answer=answer,
+                         level=level, global_step=trainer_state.global_step, other=sorted(kwargs)))
+    log_metric("mine_rows", len(completions))
+    return [None if lv == 0 else len(ids) / 10 + (a in c[0]["content"])
+            for c, ids, a, lv in zip(completions, completion_ids, answer, level)]
+
+
+def columns(completions, **kwargs):
+    RECEIVED.append(kwargs)
+    return [0.5] * len(completions)
+
+
+def boom(prompts, **kwargs):
+    raise KeyError("boom reward")
+
+
+def short(completion_ids, **kwargs):
+    return [1.0]
+
+
+def length(completion, example, completion_ids):
+    return len(completion_ids)
+
+
+def length_kw(completion, example, **kwargs):
+    return len(kwargs["completion_ids"]), True
+'''
+
+
+@check
+def test_tasks_trl_batched_rewards_match_trl_calculate_rewards():
+    """TRL's batched reward form through our trainer's reward path (make_reward + grpo.score on a generation buffer)
+    gets exactly the inputs TRL 1.16's own _calculate_rewards gives it (conversational prompts and completions,
+    completion_ids cut at the EOS, every dataset column as a list, trainer_state) and gives the same rewards: trl's
+    think_format_reward and a function of ours reading completion_ids and columns; its None is NaN, left out of the
+    weighted sum (nansum) and of its logged mean. A built-in task's target is the column `answer`; a batched reward
+    that raises scores 0 on every row (counted, one traceback); a wrong number of rewards is an error; the
+    per-completion form gets completion_ids when it asks (its length = the buffer's completion length)"""
+    import io
+    import tempfile
+    import checkpoint
+    import grpo
+    import tasks
+    trl_calculate = _trl_calculate_rewards()
+    if trl_calculate is None:
+        raise Skip("trl is not installed")
+    from trl.rewards import think_format_reward
+    d = tempfile.mkdtemp(prefix="nanogrpo_trl_rewards_")
+    f = _write(os.path.join(d, "batched_rewards.py"), _BATCHED_REWARDS)
+    tok = checkpoint.load_tokenizer(_tiny_model_dir())
+    rows = [{"question": "What is 3 + 4?", "answer": "7", "level": 1},
+            {"question": "2 + 1?", "answer": "3", "level": 0}]
+    texts = ["<think>\n3 + 4</think> 7", "<think>a<think>b</think>", "The answer is 7.", "<think>x</think>3",
+             "no 3", "3" * 40]
+    G, C = 3, 32  # the last completion is cut at C tokens: no EOS in it
+    ids = [(tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id])[:C] for t in texts]
+    buf = dict(completion_ids=torch.tensor([x + [tok.pad_token_id] * (C - len(x)) for x in ids]),
+               completion_mask=torch.tensor([[1] * len(x) + [0] * (C - len(x)) for x in ids]))
+    spec, w = f"trl.rewards:think_format_reward,{f}:mine", [1.0, 0.5]
+    mine = tasks.load_reward(f"{f}:mine")
+    received = mine.__globals__["RECEIVED"]
+    # TRL: a dataset row per completion (each prompt's row G times), its prompt conversational; TRL's decode
+    inputs = [{"prompt": [{"role": "user", "content": tasks.dataset_question(r)}], **r} for r in rows for _ in range(G)]
+    completions = [[{"role": "assistant", "content": t}] for t in tok.batch_decode(ids, skip_special_tokens=True)]
+    metrics = {}
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(device="cpu"), reward_funcs=[think_format_reward, mine],
+                              reward_processing_classes=[None, None], reward_func_names=["think_format_reward", "mine"],
+                              state=SimpleNamespace(global_step=0), _log_completion_extra=lambda column, values: None,
+                              _log_metric=lambda name, value: metrics.setdefault(name, []).append(value),
+                              environments=None)
+    want = trl_calculate(trainer, inputs, [x["prompt"] for x in inputs], completions, ids)  # (6, 2)
+    want_total = (want * torch.tensor(w)).nansum(1)  # TRL's _generate_and_score_completions
+    reward_fn, counts = tasks.make_reward(None, spec, "1,0.5")
+    got_texts, got = grpo.score(reward_fn, tok, buf, [(tasks.dataset_question(r), r) for r in rows], G)
+    assert [c[0]["content"] for c in completions] == got_texts, got_texts
+    assert len(received) == 2 and received[0] == received[1], received  # the same inputs, TRL's and ours
+    assert received[1]["completion_ids"] == ids and received[1]["other"] == ["log_extra", "question"], received[1]
+    assert [len(x) for x in ids] == buf["completion_mask"].sum(1).tolist() and ids[-1][-1] != tok.eos_token_id
+    parts = torch.tensor([p for _, _, p in got])
+    assert torch.isnan(parts[3:, 1]).all() and not torch.isnan(parts[:3]).any(), parts  # level 0: None -> NaN
+    assert torch.equal(parts.nan_to_num(-1), want.nan_to_num(-1)), (parts, want)
+    assert parts[:, 0].tolist() == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0], parts  # think_format_reward, as TRL scores it
+    assert torch.allclose(torch.tensor([t for t, _, _ in got]), want_total), (got, want_total)
+    assert [ok for _, ok, _ in got] == [False] * 6 and counts["errors"] == 0  # a batched reward reports no `correct`
+    assert counts["metrics"] == {"mine_rows": [6.0]} and metrics == {"mine_rows": [6]}, (counts, metrics)
+    del received[:]
+    tasks.make_reward(None, f"{f}:columns")[0](["q"] * 2, ["a", "b"], [7, 7], ids[:2])  # a built-in task's target
+    assert received == [{"answer": [7, 7], "completion_ids": ids[:2],
+                         "prompts": [[{"role": "user", "content": "q"}]] * 2,
+                         "trainer_state": received[0]["trainer_state"], "log_extra": received[0]["log_extra"],
+                         "log_metric": received[0]["log_metric"]}], received
+    assert received[0]["trainer_state"].global_step == 0
+    err = io.StringIO()
+    boom, counts = tasks.make_reward(None, f"{f}:boom,{f}:length", "")
+    with contextlib.redirect_stderr(err):
+        got = boom(["q"] * 6, got_texts, [rows[0]] * 6, ids) + boom(["q"] * 6, got_texts, [rows[0]] * 6, ids)
+    assert counts["errors"] == 12 and [p[0] for _, _, p in got] == [0.0] * 12, (counts, got)
+    assert err.getvalue().count("Traceback") == 1 and "boom reward" in err.getvalue(), err.getvalue()
+    assert [p[1] for _, _, p in got[:6]] == [len(x) for x in ids]  # the per-completion form beside it, with its ids
+    short, _ = tasks.make_reward(None, f"{f}:short", "")
+    assert_raises(ValueError, lambda: short(["q"] * 6, got_texts, [rows[0]] * 6, ids), "returned 1 rewards for 6")
+    both, counts = tasks.make_reward(None, f"{f}:length_kw,{f}:length", "")
+    got = both(["q"] * 6, got_texts, [rows[0]] * 6, ids)
+    assert [p for _, _, p in got] == [[len(x)] * 2 for x in ids] and all(ok for _, ok, _ in got), got
+    assert counts["errors"] == 0 and tasks.guard_reward(tasks.arithmetic_reward, counts)(
+        ["q"], ["The answer is 7."], [7], [[1, 2]]) == [(1.0, True)]  # (no completion_ids for it: it asks none)
+
+
+@check
+def test_tasks_trl_reward_end_to_end():
+    """a tiny CPU run (2 steps) with --reward=trl.rewards:think_format_reward,FILE.py:fn,...: each reward logged as
+    reward/NAME and shown on the step line; a per-completion length reward from completion_ids equals the step's
+    completion_len_mean; a batched reward's log_metric value (here its trainer_state.global_step) is in the step's
+    record; the built-in task's target reaches it as the column `answer`"""
+    import json
+    import tempfile
+    import grpo  # noqa: F401 - (_train_output's)
+    if not _have("trl"):
+        raise Skip("trl is not installed")
+    d = tempfile.mkdtemp(prefix="nanogrpo_trl_e2e_")
+    f = _write(os.path.join(d, "e2e_rewards.py"), "def length(completion, example, completion_ids):\n"
+               "    return float(len(completion_ids))\n\n\n"
+               "def step_seen(completions, answer, trainer_state, log_metric, **kwargs):\n"
+               "    assert all(isinstance(a, int) for a in answer), answer\n"
+               "    log_metric('step_seen', trainer_state.global_step)\n"
+               "    return [None] * (len(completions) // 2) + [1.0] * (len(completions) - len(completions) // 2)\n")
+    out = tempfile.mkdtemp()
+    res, text = _train_output(_train_args(out, 2, f"--reward=trl.rewards:think_format_reward,{f}:length,"
+                                          f"{f}:step_seen", "--reward_weights=1,0,1", "--temperature=2.0",
+                                          "--eval_every=0"))
+    assert not isinstance(res, Exception), text[-3000:]
+    recs = [json.loads(x) for x in open(os.path.join(out, "log.jsonl"))]
+    assert [r["step"] for r in recs] == [0, 1, 2], recs
+    for r in recs[1:]:
+        assert r["reward/think_format_reward"] == 0.0 and r["reward/step_seen"] == 1.0, r
+        assert abs(r["reward/length"] - r["completion_len_mean"]) < 1e-6, r  # EOS included, as the trainer counts
+        assert r["step_seen"] == r["step"] - 1 and r["reward_errors"] == 0, r  # optimizer steps before the step
+        assert abs(r["reward_mean"] - 0.5) < 1e-6, r  # half the rows: None (nansum 0), half 1.0
+    assert re.search(r"step 2: reward [\d.]+±[\d.]+ \(think_format_reward 0\.000, length [\d.]+, step_seen 1\.000\)",
+                     text), text[-3000:]
+
+
 @check
 def test_grpo_dynamic_sampling_refills_informative_groups():
     """a reward that is constant for even targets makes those groups uniform: with dynamic_sampling they are
@@ -2233,7 +2402,7 @@ def test_grpo_eval_pass_at_k():
     tok = checkpoint.load_tokenizer(_tiny_model_dir())
     model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
     held = tasks.held_out_set(tasks.arithmetic_prompts, 8, 1)
-    digit = lambda text, ex: (1.0, any(c.isdigit() for c in text), [1.0])  # noqa: E731
+    digit = lambda qs, texts, exs, ids: [(1.0, any(c.isdigit() for c in t), [1.0]) for t in texts]  # noqa: E731
     got = {}
     for temp, k in ((1e-4, 4), (2.0, 4), (2.0, 1)):
         torch.manual_seed(0)
