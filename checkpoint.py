@@ -5,19 +5,17 @@ leaves in out_dir, and how a killed run is resumed from it.
     out_dir/LOCK          {"pid", "host"} of the run that holds out_dir: a second run is refused (take_lock)
     out_dir/log.jsonl     one JSON record a step (grpo appends; read_log / write_log cut it back to the checkpoint)
     out_dir/curves.png    the training reward and accuracy and the held-out accuracy by step (plot_curves; matplotlib)
+    out_dir/tensorboard/, out_dir/wandb/   --report_to's copies of the log (open_trackers)
     out_dir/ckpt/         an HF directory (safetensors + tokenizer: from_pretrained loads it as it is) plus
                           trainer_state.pt (step, optimizer, every rank's RNG, world size, config); under FSDP2 the
                           optimizer is one optimizer_rank{r}.pt a rank (its shard of AdamW's moments) instead
 
-An earlier run in out_dir is never replaced silently: --resume=True continues it, --overwrite=True removes it first.
-Every write is atomic, because a run can be killed at any point (max_minutes is not the only way out: OOM, Ctrl-C, a
-lost machine) and --resume must then find something it can trust. A checkpoint is written to ckpt.tmp and swapped
-in by renames; trainer_state.pt is written last, itself through a rename, so a directory holding it is complete. The
-log is rewritten whole through log.jsonl.tmp. What a kill can leave, and what takes it back to a plain state:
-ckpt.tmp (partial or complete) and ckpt.old beside or instead of ckpt/ (recover_checkpoint: one ckpt/, the newest
-complete save), a cut last log line (read_log drops it with a notice), a dead run's LOCK (take_lock takes it over
-on the same host). A file cut some other way is named when it fails to load (loaded). Resume refuses a change of
-what defines the run (STRUCTURAL) and takes the rest with a notice.
+An earlier run in out_dir is never replaced silently (--resume=True continues it, --overwrite=True removes it). A run
+can be killed anywhere (OOM, Ctrl-C, a lost machine), so every write is atomic and --resume finds a state it can
+trust: a checkpoint goes to ckpt.tmp and is swapped in by renames, trainer_state.pt last (a directory holding it is
+complete); the log is rewritten whole through log.jsonl.tmp. After a kill recover_checkpoint leaves one ckpt/ (the
+newest complete save), read_log drops a cut last line, take_lock takes a dead run's LOCK over (same host); a file cut
+some other way is named when it fails to load (loaded). Resume refuses a change of what defines the run (STRUCTURAL).
 """
 import glob
 import json
@@ -34,9 +32,9 @@ import lora
 from dist import all_ranks, fsdp_modules, rank, rank0_value
 
 # ------------------------------------------------------------------------------------------------------------------
-# out_dir: the LOCK, --overwrite / --resume, atomic checkpoints
+# out_dir: the LOCK, a run's other files (RUN_FILES), --overwrite / --resume, atomic checkpoints
 # ------------------------------------------------------------------------------------------------------------------
-RUN_FILES = ("log.jsonl", "log.jsonl.tmp", "curves.png", "ckpt", "ckpt.tmp", "ckpt.old")  # a run's files (but LOCK)
+RUN_FILES = ("log.jsonl", "log.jsonl.tmp", "curves.png", "ckpt", "ckpt.tmp", "ckpt.old", "tensorboard", "wandb")
 # resume refuses a change of these (they define the run: its weights' lineage, data, held-out set, shapes); it
 # takes the rest (lr, max_steps, loss_type, ...) with a printed notice
 STRUCTURAL = ("model", "task", "eval_file", "difficulty", "eval_size", "seed", "group_size", "max_prompt_len",
@@ -135,9 +133,8 @@ def recover_checkpoint(out_dir):
 
 def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
     """every rank calls it (its RNG state goes in); rank 0 writes the HF directory. A replica's optimizer is rank 0's;
-    under FSDP2 the full float32 weights are gathered to rank 0's CPU, and each rank writes its own optimizer shard
-    (optimizer_rank{r}.pt) into ckpt.tmp before rank 0 writes trainer_state.pt and swaps the directory in
-    (dist.rank0_value, rank 0's value on every rank, is the barrier: the ranks wait for rank 0)"""
+    under FSDP2 the full float32 weights are gathered to rank 0's CPU and each rank writes its optimizer shard
+    (optimizer_rank{r}.pt) into ckpt.tmp before rank 0 writes trainer_state.pt and swaps it in (barrier: rank0_value)"""
     rng = dict(torch=torch.get_rng_state(), python=random.getstate(),
                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     rngs = all_ranks(rng)
@@ -399,3 +396,44 @@ def plot_curves(records, out_dir):
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "curves.png"), dpi=100)
     plt.close(fig)
+
+
+TRACKERS = {}  # --report_to's open writers, rank 0's: {"tensorboard": SummaryWriter, "wandb": wandb's Run}
+
+
+def open_trackers(cfg, step):
+    """rank 0, before the model loads: --report_to's writers for a run from `step` (0 or the checkpoint's). On resume
+    TensorBoard appends to out_dir/tensorboard (purge_step hides redone steps' old events); wandb starts a new run"""
+    names = cfg.report_to.split(",") if rank() == 0 else []
+    if "tensorboard" in names:
+        from torch.utils.tensorboard import SummaryWriter
+        TRACKERS["tensorboard"] = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"), purge_step=step + 1)
+        TRACKERS["tensorboard"].add_text("config", f"```\n{json.dumps(vars(cfg), indent=1)}\n```", step)
+    if "wandb" in names:  # WANDB_MODE=offline: no network, `wandb sync out_dir/wandb/offline-run-*` later
+        import wandb
+        name = os.environ.get("WANDB_NAME", os.path.basename(os.path.abspath(cfg.out_dir)))
+        TRACKERS["wandb"] = wandb.init(project=os.environ.get("WANDB_PROJECT", "nanogrpo"), name=name,
+                                       dir=cfg.out_dir, config=vars(cfg))
+
+
+def track(rec):
+    """a log.jsonl record to each open tracker: its numbers at its step, its eval samples as markdown or a table"""
+    nums = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+    samples = rec.get("eval_samples")
+    if "tensorboard" in TRACKERS:
+        for k, v in nums.items():
+            TRACKERS["tensorboard"].add_scalar(k, v, rec["step"])
+        if samples:
+            TRACKERS["tensorboard"].add_text("eval_samples", f"```\n{json.dumps(samples, indent=1)}\n```", rec["step"])
+        TRACKERS["tensorboard"].flush()  # (a killed run keeps every step it logged)
+    if "wandb" in TRACKERS:
+        import wandb
+        if samples:
+            nums["eval_samples"] = wandb.Table(columns=list(samples[0]), data=[list(x.values()) for x in samples])
+        TRACKERS["wandb"].log(nums, step=rec["step"])
+
+
+def close_trackers():  # grpo.train's finally: a run that stops early or raises leaves no wandb process behind
+    while TRACKERS:
+        name, t = TRACKERS.popitem()
+        t.finish() if name == "wandb" else t.close()

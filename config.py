@@ -1,14 +1,14 @@
 """
 The run's config: every knob a module global with its default, overridable as --key=value (the type is the
 default's; an unknown key is an error that lists the valid ones), and the checks that refuse a bad value, with its
-valid range, before anything loads or is written (one error lists every bad flag). grpo.py prints the resolved
-config at start.
+valid range, before anything loads or is written. grpo.py prints the resolved config at start.
 
     cfg = parse_config(["--lr=5e-6", "--task=countdown"])   # SimpleNamespace of every key
     dev, dt = resolve(cfg)                                   # checked; device and dtype resolved
 """
 import ast
 import glob
+import importlib.util
 import math
 import os
 import re
@@ -80,6 +80,7 @@ eval_samples = 4  # at each eval, log.jsonl keeps this many held-out greedy comp
 eval_temperature = 1.0
 save_every = 50
 out_dir = "out"  # log.jsonl, ckpt/, curves.png, LOCK; an earlier run there is never replaced silently
+report_to = "none"  # none | tensorboard | wandb | tensorboard,wandb: log.jsonl's numbers, step by step, there too
 resume = False  # continue the run in out_dir from its checkpoint
 overwrite = False  # replace an earlier run in out_dir (its log.jsonl, curves.png and checkpoint)
 dist_timeout_minutes = 10.0  # torchrun: a collective that waits longer (a rank died or hangs) ends the job
@@ -151,7 +152,7 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
 FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite", "mask_truncated_completions",
              "kv_reuse", "gradient_checkpointing", "task", "eval_file", "reward", "reward_weights", "dynamic_sampling",
              "vllm_importance_sampling_correction", "fsdp", "deterministic", "compile",
-             "lora_target_modules")  # strings checked below, and booleans
+             "lora_target_modules", "report_to")  # strings checked below, and booleans
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
@@ -221,6 +222,11 @@ def check_config(cfg):
         errors.append("--resume=True and --overwrite=True: continue the run in out_dir, or replace it, not both")
     elif cfg.resume and not os.path.isdir(cfg.out_dir):
         errors.append(f"--resume=True but there is no --out_dir={cfg.out_dir!r} to resume")
+    for t in cfg.report_to.split(","):  # each tracker is an optional extra
+        if t not in ("none", "tensorboard", "wandb"):
+            errors.append(f"--report_to={cfg.report_to!r}: use none, tensorboard, wandb or tensorboard,wandb")
+        elif t != "none" and importlib.util.find_spec(t) is None:
+            errors.append(f"--report_to={cfg.report_to!r} needs {t}, which is not installed: pip install {t}")
     errors += check_model(cfg.model)
     errors += lora_errors(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if errors:
@@ -255,7 +261,6 @@ def lora_errors(cfg, world):
     replica engine (FSDP2 would shard the frozen base and the adapters alike: not wired yet)"""
     if cfg.lora_r == 0:
         return []
-    import importlib.util
     errors = []
     if importlib.util.find_spec("peft") is None:
         errors.append(f"--lora_r={cfg.lora_r} needs PEFT, which is not installed: pip install peft")
@@ -270,13 +275,11 @@ def lora_errors(cfg, world):
 
 
 def memory_errors(cfg, n_params, world, gpu_bytes):
-    """the training state alone must fit the GPU's free bytes (gpu_bytes: what other processes hold is not ours);
-    said before the weights load (grpo.run, on CUDA). Per parameter, full fine-tuning holds 16 bytes: float32
-    weights (a bf16 run: its float32 masters), their float32 gradients and AdamW's two float32 moments; a bf16/fp16
-    run adds the weights it runs in (2 bytes). FSDP2 shards the 16 over the ranks and keeps the gathered weights
-    whole on each (ZeRO-2). LoRA: the frozen base in dtype, nothing else that scales with it. beta > 0 without LoRA:
-    a reference model in dtype. Activations, K/V and logits come on top: passing this is necessary, not sufficient
-    (the OOM messages inside the step name those knobs)."""
+    """the training state alone must fit the GPU's free bytes, said before the weights load (grpo.run, on CUDA). Per
+    parameter, full fine-tuning holds 16 bytes (float32 weights or a bf16 run's masters, their gradients, AdamW's two
+    moments) plus the 2 of a bf16/fp16 run's weights; FSDP2 shards the 16 over the ranks, the gathered weights whole
+    on each (ZeRO-2). LoRA: the frozen base in dtype alone. beta > 0 without LoRA: a reference model in dtype.
+    Activations, K/V and logits come on top: necessary, not sufficient (the step's OOM messages name those knobs)."""
     dt_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
     sharded = world > 1 and cfg.fsdp
     if cfg.lora_r:

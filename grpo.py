@@ -254,6 +254,7 @@ def train(argv):
         try:
             return run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start)
         finally:
+            checkpoint.close_trackers()
             if lock and os.path.exists(lock):
                 os.remove(lock)
     finally:
@@ -290,6 +291,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         errors = memory_errors(cfg, n_params, world, free)  # (free: what other processes hold is not ours)
         if errors:
             raise ValueError("bad config:\n  " + "\n  ".join(errors))
+    checkpoint.open_trackers(cfg, state["step"] if state else 0)  # --report_to (rank 0's); train's finally closes
     # (FSDP2: loaded on the CPU, sharded to dev.) LoRA: the base from --model, the adapters from ckpt on resume
     policy = checkpoint.load_model(base if cfg.lora_r else ckpt or base, torch.device("cpu") if sharded else dev)
     if cfg.lora_r:
@@ -323,6 +325,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         with gathered(policy):
             ev = evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev)
         records.append(dict(step=0, **ev, minutes=(time.time() - t_start) / 60))
+        checkpoint.track(records[0])  # (--report_to: rank 0's trackers)
         print(f"step 0: held-out greedy accuracy {ev['eval_accuracy']:.3f} (format {ev['eval_format']:.3f}) on "
               f"{len(eval_set)} prompts" + (f", pass@{cfg.eval_pass_k} {ev['eval_pass_k']:.3f}" if cfg.eval_pass_k
                                              else ""))
@@ -384,6 +387,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         if r == 0:
             with open(log_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            checkpoint.track(rec)
         pbar.set_postfix(reward=f"{rec['reward_mean']:.3f}", acc=f"{rec['accuracy']:.2f}")
         tqdm.write(format_record(rec))
         if (cfg.save_every > 0 and step % cfg.save_every == 0) or last:

@@ -1752,6 +1752,123 @@ def test_grpo_cli_two_steps_log_checkpoint_and_resume():
 
 
 @check
+def test_report_to_tensorboard_scalars_equal_log():
+    """--report_to=tensorboard: out_dir/tensorboard's scalars are log.jsonl's numbers at its steps (read back with
+    TensorBoard's own EventAccumulator), the resolved config and the eval samples are its text; a resume appends,
+    and the events a killed run wrote after its checkpoint (here one faked at step 3) are purged, not shown twice"""
+    if not _have("tensorboard"):
+        raise Skip("tensorboard not installed")
+    import json
+    import math
+    import tempfile
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+    out = tempfile.mkdtemp(prefix="nanogrpo_tb_")
+    _quiet_train(_train_args(out, 2, "--report_to=tensorboard"))
+    with SummaryWriter(os.path.join(out, "tensorboard")) as w:  # a step 3 logged after the checkpoint, then killed
+        w.add_scalar("loss", 1e6, 3)
+    res = _quiet_train(_train_args(out, 3, "--report_to=tensorboard", "--resume=True"))
+    ea = EventAccumulator(os.path.join(out, "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    ea.Reload()
+    recs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+    assert [r["step"] for r in recs] == [0, 1, 2, 3] and res.records == recs, recs
+    for k in {k for r in recs for k, v in r.items() if type(v) in (int, float) and k != "step"}:
+        want = [(r["step"], r[k]) for r in recs if k in r]
+        got = [(e.step, e.value) for e in ea.Scalars(k)]
+        assert [s for s, _ in got] == [s for s, _ in want], (k, got, want)
+        assert all(math.isclose(g, w, rel_tol=1e-6, abs_tol=1e-30) for (_, g), (_, w) in zip(got, want)), k
+    assert set(ea.Tags()["scalars"]) >= {"loss", "reward_mean", "eval_accuracy", "reward/task"}, ea.Tags()["scalars"]
+    text = {t: [(e.step, e.tensor_proto.string_val[0].decode()) for e in ea.Tensors(t)] for t in ea.Tags()["tensors"]}
+    assert '"report_to": "tensorboard"' in text["config/text_summary"][0][1], text["config/text_summary"]
+    samples = text["eval_samples/text_summary"]
+    assert [s for s, _ in samples] == [0, 2, 3], samples
+    assert all(json.dumps(x["completion"]) in samples[2][1] for x in recs[3]["eval_samples"]), samples[2]
+
+
+def _wandb_history(path):
+    """(rows, record types) of a .wandb file (the run's own record, offline too): wandb's protobuf Records in
+    LevelDB's log format (a 7-byte W&B header, then 32 KiB blocks of chunks: crc32, length, type, data)"""
+    import json
+    from wandb.proto import wandb_internal_pb2
+    raw, pos, part, rows, kinds = open(path, "rb").read(), 7, b"", [], set()
+    while pos + 7 <= len(raw):
+        if 32768 - pos % 32768 < 7:  # a block's zero-padded tail
+            pos += 32768 - pos % 32768
+            continue
+        n, kind = int.from_bytes(raw[pos + 4:pos + 6], "little"), raw[pos + 6]
+        part, pos = part + raw[pos + 7:pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(part)
+            part = b""
+            kinds.add(rec.WhichOneof("record_type"))
+            if rec.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+    return rows, kinds
+
+
+@check
+def test_report_to_wandb_offline_logs_the_log():
+    """--report_to=wandb with WANDB_MODE=offline (no network): the run under out_dir/wandb logged each log.jsonl
+    record's numbers at its step, its eval samples as a table, and was finished (wandb's own exit record); a run that
+    raises once its wandb run is open finishes it too"""
+    if not _have("wandb"):
+        raise Skip("wandb not installed")
+    import glob
+    import json
+    import tempfile
+    import checkpoint
+    import wandb
+    env = {"WANDB_MODE": "offline", "WANDB_CONSOLE": "off", "WANDB_ERROR_REPORTING": "false"}
+    saved, load = {k: os.environ.get(k) for k in env}, checkpoint.load_model
+    os.environ.update(env)
+    try:
+        out = tempfile.mkdtemp(prefix="nanogrpo_wandb_")
+        _quiet_train(_train_args(out, 2, "--report_to=wandb"))
+        checkpoint.load_model = lambda *a: (_ for _ in ()).throw(RuntimeError("a failing load"))
+        res, log = _train_output(_train_args(tempfile.mkdtemp(prefix="nanogrpo_wandb_"), 2, "--report_to=wandb"))
+        assert isinstance(res, RuntimeError) and wandb.run is None and not checkpoint.TRACKERS, (res, log[-800:])
+    finally:
+        checkpoint.load_model = load
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    runs = glob.glob(os.path.join(out, "wandb", "offline-run-*", "run-*.wandb"))
+    assert len(runs) == 1, runs
+    rows, kinds = _wandb_history(runs[0])
+    recs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+    assert [r["_step"] for r in rows] == [r["step"] for r in recs] == [0, 1, 2], rows
+    for row, rec in zip(rows, recs):
+        nums = {k: v for k, v in rec.items() if type(v) in (int, float) and k != "step"}
+        assert {k: row[k] for k in nums} == nums, (row, rec)
+        assert ("eval_samples/path" in row) == ("eval_samples" in rec), row
+    with open(os.path.join(os.path.dirname(runs[0]), "files", rows[2]["eval_samples/path"])) as f:
+        table = json.load(f)
+    assert table["data"] == [list(x.values()) for x in recs[2]["eval_samples"]], table
+    assert "exit" in kinds, ("the run was not finished", kinds)
+
+
+@check
+def test_report_to_refuses_missing_package_before_loading():
+    """--report_to names each tracker that is not installed and the pip line that installs it, in the config check,
+    before out_dir is made or the model loads; an unknown tracker lists the valid ones"""
+    import importlib.util
+    import tempfile
+    import checkpoint
+    out = os.path.join(tempfile.mkdtemp(prefix="nanogrpo_rt_"), "never_made")
+    real, load = importlib.util.find_spec, checkpoint.load_model
+    importlib.util.find_spec = lambda name, *a: None if name in ("tensorboard", "wandb") else real(name, *a)
+    checkpoint.load_model = lambda *a: (_ for _ in ()).throw(AssertionError("the model loaded"))
+    try:
+        res, log = _train_output(_train_args(out, 2, "--report_to=tensorboard,wandb"))
+    finally:
+        importlib.util.find_spec, checkpoint.load_model = real, load
+    assert isinstance(res, ValueError) and not os.path.exists(out), (res, log[-500:])
+    assert "needs tensorboard" in str(res) and "pip install tensorboard" in str(res) and "pip install wandb" in str(res)
+    assert_raises(ValueError, lambda: config.resolve(config.parse_config(["--report_to=mlflow"])),
+                  "use none, tensorboard, wandb")
+
+
+@check
 def test_grpo_same_seed_same_log_and_deterministic_flag():
     """the same command twice gives the same log (rewards, losses, gradient norms, held-out accuracy: only the
     timings differ), with --deterministic=True too, which turns torch's deterministic mode on for the run only; a
