@@ -1,7 +1,7 @@
 """
-The run's config: every knob a module global with its default, overridable as --key=value (the type is the
-default's; an unknown key is an error that lists the valid ones), and the checks that refuse a bad value, with its
-valid range, before anything loads or is written. grpo.py prints the resolved config at start.
+The run's config: every knob a module global with its default, overridable as --key=value (parse_config), and the
+checks that refuse a bad value, with its valid range, before anything loads or is written (one error lists every
+bad flag). grpo.py prints the resolved config at start; sample.py parses a run's saved one.
 
     cfg = parse_config(["--lr=5e-6", "--task=countdown"])   # SimpleNamespace of every key
     dev, dt = resolve(cfg)                                   # checked; device and dtype resolved
@@ -90,15 +90,15 @@ CONFIG_KEYS = [k for k, v in list(globals().items())
                if not k.startswith("_") and isinstance(v, (bool, int, float, str))]
 
 
-def parse_config(argv):
-    """DEFAULTS overridden by --key=value; value coerced to the default's type; an unknown key is an error"""
-    cfg = {k: globals()[k] for k in CONFIG_KEYS}
+def parse_config(argv, defaults=None):
+    """defaults (these globals; sample.py: a run's) overridden by --key=value, coerced to the default's type"""
+    cfg = dict(defaults or {k: globals()[k] for k in CONFIG_KEYS})
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
             raise ValueError(f"bad argument {arg!r}: use --key=value")
         key, val = arg[2:].split("=", 1)
         if key not in cfg:
-            raise ValueError(f"unknown config key {key!r}; valid keys: {', '.join(CONFIG_KEYS)}")
+            raise ValueError(f"unknown config key {key!r}; valid keys: {', '.join(cfg)}")
         default = cfg[key]
         if isinstance(default, bool):
             if val.lower() not in ("true", "false", "1", "0"):

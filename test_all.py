@@ -2076,6 +2076,61 @@ def test_lora_run_saves_peft_adapter_and_resumes():
 
 
 @check
+def test_sample_reproduces_the_final_eval_prompts_lora_and_refuses_a_bad_model():
+    """sample.py on a run's ckpt/ (or its out_dir): the run's held-out set, lengths, dtype and reward come from
+    trainer_state.pt, and a bf16 run's saved float32 masters, rounded, are bit for bit the weights its final eval
+    ran, so the greedy completions, rewards and accuracy are the log's last eval's; --prompt= prints its
+    completions; a LoRA ckpt/ samples (the base it names, the adapters applied) as its run evaluated; a bad --model,
+    --num_samples or key is refused, named, before anything loads"""
+    import contextlib
+    import io
+    import json
+    import tempfile
+    from safetensors.torch import load_file
+    import sample
+
+    def run_and_sample(*extra):  # a 2-step run whose last step evaluates, then sample.py on its ckpt/ (greedy)
+        out = tempfile.mkdtemp(prefix="nanogrpo_sample_")
+        _write(os.path.join(out, "parity.py"), "def reward(text, example):\n"  # correct: the model's and the set's
+               "    return float(len(set(text))), (len(set(text)) + example) % 2 == 0\n")
+        res = _quiet_train(_train_args(out, 2, "--dtype=bfloat16", "--difficulty=2", "--eval_size=6", "--eval_every=2",
+                                       "--eval_samples=6", "--lr=1e-2", "--temperature=1.5",
+                                       f"--reward={out}/parity.py:reward", *extra))
+        last = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))][-1]
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            got = sample.main([f"--model={out}/ckpt"])
+        assert last["step"] == 2 and len(got["rows"]) == 6, (last["step"], got["rows"])  # (eval_size 6, not 100)
+        assert [(q, t, r, ok) for q, t, r, ok in got["rows"]] == [
+            (s["question"], s["completion"], s["reward"], s["correct"]) for s in last["eval_samples"]], got["rows"]
+        assert f"held-out accuracy {last['eval_accuracy']:.4f} (6 completions" in buf.getvalue(), buf.getvalue()
+        for (n, a), b in zip(res.model.named_parameters(), got["model"].parameters()):
+            assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()), f"{n}: not the weights the last eval ran"
+        return out, res
+
+    out, res = run_and_sample()
+    base = load_file(os.path.join(_tiny_model_dir(), "model.safetensors"))
+    assert any(not torch.equal(base[n].to(torch.bfloat16), p.cpu()) for n, p in res.model.named_parameters()
+               if n in base), "the run never moved its weights: the weight check cannot fail"
+    for argv, rows in (([f"--model={out}", "--prompt=What is 2 + 3?"], 1),
+                       ([f"--model={out}", "--prompt=What is 2 + 3?", "--temperature=1.0", "--num_samples=3"], 3)):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            got = sample.main(argv)
+        assert len(got["rows"]) == rows and "'What is 2 + 3?'\n  -> " in buf.getvalue(), (got["rows"], buf.getvalue())
+        assert "accuracy" not in buf.getvalue() and all(0 < len(t) <= 8 for _, t, _, _ in got["rows"]), got["rows"]
+    empty = tempfile.mkdtemp(prefix="nanogrpo_sample_")
+    for argv, match in (([f"--model={out}/nope"], "no such directory"), ([f"--model={empty}"], "no config.json"),
+                        ([f"--model={out}", "--num_samples=0"], "--num_samples=0"),
+                        ([f"--model={out}", "--bogus=1"], "unknown config key 'bogus'")):
+        assert_raises(ValueError, lambda: sample.main(argv), match)
+    if not _have("peft"):
+        raise Skip("peft not installed: sample.py on a LoRA checkpoint is not checked")
+    out, _ = run_and_sample("--lora_r=4", "--lora_dropout=0.0")
+    assert os.path.exists(os.path.join(out, "ckpt", "adapter_config.json"))
+
+
+@check
 def test_grpo_resume_continues_identically():
     """2 steps straight == 1 step, checkpoint, --resume=True, 1 more step: same weights, optimizer, samples"""
     import tempfile
