@@ -53,8 +53,9 @@ def main(argv):
         ids, mask = grpo.encode_prompts(tokenizer, [q for q, _ in todo], cfg.max_prompt_len, dev)
         buf = rollout(policy, ids, mask, n, cfg.max_completion_len, opt.temperature, cfg.top_p,
                       grpo.stop_token_ids(policy, tokenizer), tokenizer.pad_token_id, cfg.compile)
-        rows = [(q, t, *(reward_fn(t, a)[:2] if a is not None else (None, None))) for (q, a), t in
-                zip([x for x in todo for _ in range(n)], tokenizer.batch_decode(buf["completion_ids"], True))]
+        texts, scored = ((tokenizer.batch_decode(buf["completion_ids"], True), None) if opt.prompt else
+                         grpo.score(reward_fn, tokenizer, buf, todo, n))  # (a lone prompt has no example to score)
+        rows = [(todo[i // n][0], t, *(scored[i][:2] if scored else (None, None))) for i, t in enumerate(texts)]
     for q, text, r, ok in rows:
         print(f"{q!r}\n  -> {text!r}" + ("" if r is None else f"  reward {r:.2f}, {'correct' if ok else 'wrong'}"))
     if not opt.prompt:

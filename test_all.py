@@ -2112,6 +2112,9 @@ def test_sample_reproduces_the_final_eval_prompts_lora_and_refuses_a_bad_model()
     base = load_file(os.path.join(_tiny_model_dir(), "model.safetensors"))
     assert any(not torch.equal(base[n].to(torch.bfloat16), p.cpu()) for n, p in res.model.named_parameters()
                if n in base), "the run never moved its weights: the weight check cannot fail"
+    with contextlib.redirect_stdout(io.StringIO()):  # the held-out set sampled: 2 completions a prompt, scored
+        got = sample.main([f"--model={out}", "--temperature=1.0", "--num_samples=2"])
+    assert len(got["rows"]) == 12 and all(isinstance(r, float) and ok in (True, False) for *_, r, ok in got["rows"])
     for argv, rows in (([f"--model={out}", "--prompt=What is 2 + 3?"], 1),
                        ([f"--model={out}", "--prompt=What is 2 + 3?", "--temperature=1.0", "--num_samples=3"], 3)):
         buf = io.StringIO()
