@@ -10,7 +10,8 @@ gradient-accumulation micro-batch and "how many updates per sample" is its own k
     steps_per_generation = K: the groups are shuffled and cut into K disjoint mini-batches, one optimizer step each;
         num_iterations passes over the K mini-batches = num_iterations * K optimizer steps per generation (TRL)
     loss_weights (B*G, C): the loss_type normalizer of the whole MINI-batch, baked into one weight per token
-    micro_batches: whole groups under a token budget (kv_reuse forwards a group's prompt once: a group stays together)
+    micro_batches: whole groups under a token budget (kv_reuse forwards a group's prompt once); a lone group
+        over it runs in parts of its completions (micro_batch_parts)
     old / ref log-probs under no_grad, micro-batch by micro-batch (old skipped when exactly on-policy)
     update_step: sum over micro-batches of sum(per_token_loss * weight) -> backward -> clip -> optimizer.step
 """
@@ -184,6 +185,25 @@ def slice_groups(buf, b0, b1):
     return mb
 
 
+def micro_batch_parts(buf, b0, b1, cfg):
+    """the micro-batch of groups [b0, b1) as [(first buffer row, part)]: itself, or a lone group over
+    micro_batch_tokens cut into parts of its own completions that fit (a part is a group of fewer rows with the same
+    prompt: kv_reuse runs the prompt again in each part, with its gradient, so the summed gradients equal the
+    unsplit group's; reasoning lengths, where one group of G x 16k tokens would not fit at once)"""
+    G, mb = buf["group_size"], slice_groups(buf, b0, b1)
+    P, C, budget = mb["prompt_ids"].shape[1], mb["completion_ids"].shape[1], cfg.micro_batch_tokens
+    g = max(1, (budget - P) // C if cfg.kv_reuse else budget // (P + C))  # rows: P + g*C tokens, or g*(P + C)
+    if b1 - b0 > 1 or g >= G:
+        return [(b0 * G, mb)]
+    parts = []
+    for r in range(0, G, g):
+        rows = {k: mb[k][r:r + g] for k in ROW_KEYS if k in mb}
+        c_keep = max(int(rows["completion_mask"].sum(1).max()), 1)  # this part's longest completion
+        rows = {k: v[:, :c_keep] if v.dim() == 2 else v for k, v in rows.items()}
+        parts.append((b0 * G + r, dict(mb, group_size=len(rows["completion_ids"]), **rows)))
+    return parts
+
+
 def completion_logprobs(model, mb, keep, temperature, logprob_impl, kv_reuse, entropy):
     """log pi(token) of the completion tokens where keep (B*G, C) is True, response-only (slime #2076): (B*G, C, H)
     -> (N, H) -> LM head, so padding never costs a logits row. Returns (logp (N,), ent (N,) or None), N = keep.sum(),
@@ -223,14 +243,12 @@ def fill_logprobs(model, buf, key, mbs, cfg, entropy=False):
     also returns the (B*G, C) entropies of the same pass"""
     out = torch.zeros(buf["completion_ids"].shape, dtype=torch.float32, device=buf["completion_ids"].device)
     ents = torch.zeros_like(out) if entropy else None
-    G = buf["group_size"]
-    for b0, b1 in mbs:
-        mb = slice_groups(buf, b0, b1)
-        keep = mb["completion_mask"].bool()
+    for r0, mb in (part for b0, b1 in mbs for part in micro_batch_parts(buf, b0, b1, cfg)):
+        keep = mb["completion_mask"].bool()  # (rows, C_mb)
         logp, ent = completion_logprobs(model, mb, keep, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse, entropy)
-        out[b0 * G:b1 * G, :keep.shape[1]][keep] = logp.float()  # (a view of out, written through)
+        out[r0:r0 + len(keep), :keep.shape[1]][keep] = logp.float()  # (a view of out, written through)
         if entropy:
-            ents[b0 * G:b1 * G, :keep.shape[1]][keep] = ent.float()
+            ents[r0:r0 + len(keep), :keep.shape[1]][keep] = ent.float()
     buf[key] = out
     return ents
 
@@ -333,15 +351,17 @@ def backward(model, buf, mbs, cfg):
     w_sum = sum(buf["loss_weights"][b0 * G:b1 * G].sum() for b0, b1 in mbs)  # what the weighted means are relative to
     totals, loss_total = {}, torch.zeros_like(w_sum)  # on the device: no host sync per micro-batch
     units = fsdp_modules(model)
-    runs = [(b0, b1) for b0, b1 in mbs if (buf["loss_weights"][b0 * G:b1 * G] > 0).any()]  # e.g. all truncated+masked
+    runs = [mb for b0, b1 in mbs for _, mb in micro_batch_parts(buf, b0, b1, cfg)
+            if (mb["loss_weights"] > 0).any()]  # (none: e.g. all truncated and masked)
     if units:  # FSDP2: each backward reduce-scatters (a collective), so every rank runs as many; a rank short of
         # micro-batches runs its first group again with its loss times 0 (zero gradient, same hooks and collectives)
         runs += [None] * (int(global_sum(torch.tensor(len(runs), device=w_sum.device), "max")) - len(runs))
     for run in runs:
-        mb = slice_groups(buf, *(run or (mbs[0][0], mbs[0][0] + 1)))
+        mb = run or slice_groups(buf, mbs[0][0], mbs[0][0] + 1)
         if run is None:  # some tokens, so the graph reaches every weight
             mb["loss_weights"] = mb["completion_mask"].float()
-        with oom_names_knob(cfg, f"in the loss of a micro-batch of {len(mb['prompt_ids'])} groups x {G} completions"):
+        with oom_names_knob(cfg, f"in the loss of a micro-batch of {len(mb['prompt_ids'])} groups x "
+                                 f"{mb['group_size']} completions"):
             loss, stats = micro_batch_loss(model, mb, cfg)
             (loss if run is not None else loss * 0).backward()
         if run is None:

@@ -1176,7 +1176,7 @@ def test_batching_grad_same_for_any_micro_batch_split():
     assert {v["loss_type"] for v in _LOSS_VARIANTS} == set(config.CHOICES["loss_type"])
     for variant in _LOSS_VARIANTS:
         grads = []
-        for budget in (10**6, 1):
+        for budget in (10**6, 31):  # 31 = P + G*C: one whole group a micro-batch (under it: parts, the next check)
             cfg = _trainer_cfg(num_iterations=2, beta=0.1, micro_batch_tokens=budget,
                                mask_truncated_completions=variant["loss_type"] == "grpo", max_completion_len=6,
                                **variant)
@@ -1185,7 +1185,7 @@ def test_batching_grad_same_for_any_micro_batch_split():
             steps, _ = batching.prepare_buffer(model, ref, buf, rewards, cfg)
             mbs = [mb for step in steps for mb in step]
             assert len(steps) == cfg.steps_per_generation, (variant, steps)
-            assert len(mbs) == (1 if budget > 1 and len(steps) == 1 else 3), (variant, steps)
+            assert len(mbs) == (1 if budget > 31 and len(steps) == 1 else 3), (variant, steps)
             torch.manual_seed(7)  # the same perturbation for both splits
             with torch.no_grad():  # move away from the sampling policy so the ratio is not 1 and clipping matters
                 buf["old_logp"] += 0.3 * torch.randn_like(buf["old_logp"]) * buf["completion_mask"]
@@ -1197,6 +1197,51 @@ def test_batching_grad_same_for_any_micro_batch_split():
         assert grads[0].norm() > 0, variant
         assert_close(grads[1], grads[0], 1e-5, f"grad {variant}")
 
+
+
+@check
+def test_batching_group_over_micro_batch_splits_into_parts():
+    """a group whose P + G*C tokens exceed micro_batch_tokens runs in parts of its own completions (issue 44): the
+    old/ref log-probs and the summed gradient through batching.backward (the trainer's path) equal the unsplit step's,
+    with kv_reuse on and off, gradient checkpointing on, and LoRA adapters (peft: the adapters' gradients); parts of
+    3 + 1 rows (G = 4) and of 1 row"""
+    import batching
+    import lora
+    from kv_reuse import checkpointing_enable
+    model, buf0, rewards = _tiny_buffer()
+    checkpointing_enable(model)
+    model.train()
+    cases = [(model, reuse) for reuse in (True, False)]
+    if _have("peft"):
+        lora_model, _ = _tiny_buffer()[0], None
+        lora.add_lora(lora_model, 4, 8, 0.0)
+        with torch.no_grad():  # B starts at 0 (PEFT's init): move it so the adapters shape the forward
+            for n, p in lora_model.named_parameters():
+                if "lora_B" in n:
+                    p.add_(0.1 * torch.randn_like(p))
+        cases.append((lora_model, True))
+    P, C, G = 7, 6, buf0["group_size"]
+    for m, reuse in cases:
+        for budget in (P + 3 * C, 1):  # with reuse: parts of 3 + 1 rows; without, and at 1: one row a part
+            outs = []
+            for b in (10**6, budget):
+                cfg = _trainer_cfg(num_iterations=2, beta=0.1, micro_batch_tokens=b, kv_reuse=reuse)
+                buf = dict(buf0)
+                steps, _ = batching.prepare_buffer(m, m, buf, rewards, cfg)  # (ref = the policy: the KL term is 0)
+                parts = [p for b0, b1 in steps[0] for p in batching.micro_batch_parts(buf, b0, b1, cfg)]
+                assert len(parts) == {10**6: 1, 1: 12}.get(b, len(parts)) and (b == 10**6 or len(parts) > 3), (
+                    b, [len(p['completion_ids']) for _, p in parts])  # (3 groups of 4)
+                with torch.no_grad():  # off-policy, so the ratio is not 1 and clipping matters
+                    buf["old_logp"] = buf["old_logp"] + 0.3 * torch.randn(
+                        buf["old_logp"].shape, generator=torch.Generator().manual_seed(2)) * buf["completion_mask"]
+                m.zero_grad(set_to_none=True)
+                stats, loss, _ = batching.backward(m, buf, steps[0], cfg)
+                grads = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+                outs.append((buf["old_logp"], buf["ref_logp"], grads, loss, stats["clip_ratio"]))
+            name = f"{'lora' if m is not model else 'full'} reuse={reuse} budget={budget}"
+            assert outs[0][2].norm() > 0, name
+            for i, what in enumerate(("old_logp", "ref_logp", "grad", "loss", "clip_ratio")):
+                assert_close(outs[1][i], outs[0][i], 1e-5, f"{name} {what}")
 
 def _dist_buffer():
     """4 groups x 3 completions for 2 ranks (groups 0-1 on rank 0, 2-3 on rank 1): rank 0's completions short, rank
