@@ -43,6 +43,9 @@ SHAPES = {  # family: (config class, config); the layer count is the real model'
                                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
                                                           high_freq_factor=4.0, original_max_position_embeddings=8192),
                                         max_position_embeddings=131072)),
+    "smollm2-135m": ("LlamaConfig", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                         tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192)),
     "qwen3-1.7b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                                        head_dim=128, tie_word_embeddings=True, rope_theta=1e6,
@@ -139,24 +142,24 @@ CELLS["torchrun 2 repro qwen2.5-1.5b fsdp=True weak"] = (  # twice the batch on 
     + ["--fsdp=True"], 2)
 
 
-def cell_command(nproc, args):
+def cell_command(nproc, args, script=__file__):
     """the command line of one cell: this file with --run-cell and args, in python or under torchrun. (Not "--run":
     torchrun's parser reads it as an abbreviation of its own --run-path and exits, "ambiguous option".)"""
     launch = ([sys.executable] if nproc == 1 else
               [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"])
-    return launch + [os.path.abspath(__file__), "--run-cell"] + args
+    return launch + [os.path.abspath(script), "--run-cell"] + args
 
 
-def run_cell(name, model, flags, nproc):
-    """one cell in a fresh process; returns its table row (dict)"""
+def run_cell(name, model, flags, nproc, keep=None, script=__file__):
+    """one cell in a fresh process (script's --run-cell); returns its table row (dict). keep: an out_dir to leave"""
     family, _, layers = model.partition("/")
     model_dir = make_model_dir(family, os.path.join(BENCH_DIR, "models", model.replace("/", "_")),
                                int(layers) if layers else None)
     slug = "".join(c if c.isalnum() else "_" for c in name)
-    out_dir, log = os.path.join(BENCH_DIR, "out", slug), os.path.join(BENCH_DIR, "logs", slug + ".txt")
+    out_dir, log = keep or os.path.join(BENCH_DIR, "out", slug), os.path.join(BENCH_DIR, "logs", slug + ".txt")
     os.makedirs(os.path.dirname(log), exist_ok=True)
-    cmd = cell_command(nproc, BASE + flags + [f"--model={model_dir}", f"--out_dir={out_dir}",
-                                                     "--overwrite=True"])
+    cmd = cell_command(nproc, BASE + flags + [f"--model={model_dir}", f"--out_dir={out_dir}", "--overwrite=True"],
+                       script)
     t0 = time.time()
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n\n")
@@ -180,7 +183,8 @@ def run_cell(name, model, flags, nproc):
         errs = [line for line in text if "Error" in line or "error" in line] or text[-1:]
         why = f"loss or grad_norm not finite at steps {bad}" if rc == 0 and bad else errs[-1] if errs else f"exit {rc}"
         row["ok"], row["why"] = False, why.strip()[:160]
-    shutil.rmtree(out_dir, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(out_dir, ignore_errors=True)
     return row
 
 

@@ -4,7 +4,6 @@ CPU: a smoke run on a tiny model):
 
     python bench_rollout.py [WORKLOAD ...] [--no-hf]   # uniform, ragged, uniform-1.5B, trainer; --no-hf: ours only
     python bench_rollout.py rows [0.5B] [1.5B] [ROWS]  # ms per decode step at 128..8 (or ROWS) live rows vs roofline
-    python bench_rollout.py attention                  # the decode attention alone at long contexts
     python bench_rollout.py profile [1.5B]             # one decode step, kernel by kernel (torch.profiler)
     python bench_rollout.py lora [MODEL_DIR]           # decode tok/s with LoRA adapters folded in vs without
 
@@ -17,7 +16,6 @@ import sys
 import torch
 import triton
 
-import decode_kernels as dk
 from kv_reuse import sync
 from rollout import LAST, generate_groups
 
@@ -211,58 +209,6 @@ def bench_rows(shapes=("0.5B", "1.5B"), row_counts=(128, 64, 32, 16, 8), P=64, T
         sync()
 
 
-def bench_attention(P=512):
-    """`python bench_rollout.py attention`: the decode attention alone (the split kernel with RoPE and the
-    merge, one layer of the uniform workloads: groups of 16 rows sharing a P-token prompt) at 128 and 8 live rows
-    and a context of t written columns, against the time its bytes take: each row's own t columns and each group's
-    prompt once (K and V), at the datasheet bandwidth. Long completions make this most of a step: at the 1.5B
-    shape, 128 rows and t = 2048, a layer's K/V are ~270 MB against 110 MB of weights. Timed from a CUDA graph over
-    copies of the caches that overflow L2, as a step's layers do."""
-    import itertools
-    from types import SimpleNamespace
-    from triton.testing import do_bench_cudagraph
-    bw = spec_bandwidth() or copy_bandwidth() or math.nan
-    dt = torch.bfloat16 if CUDA else torch.float32
-    print(f"decode attention alone, P={P}; bytes = (own columns + prompt once a group) K/V / {bw / 1e12:.2f} TB/s; "
-          f"now: BLOCK_N {dk.BLOCK_N}, warps {dk.NUM_WARPS}, split waves {dk.SPLIT_WAVES}")
-    print(f"{'model':>5} {'rows':>4} {'t':>5} {'splits':>6} {'stages':>6} | {'MB':>6} {'bytes us':>8} | {'us':>7} "
-          f"{'frac':>5} | {'err':>7}")
-    for shape in ("0.5B", "1.5B") if CUDA else ("tiny",):
-        c = SHAPES[shape]
-        h, kvh = c["num_attention_heads"], c["num_key_value_heads"]
-        D = c["hidden_size"] // h
-        for n, t in itertools.product((128, 8), (512, 2048, 4096) if CUDA else (40,)):
-            G = min(n, 16)
-            B, T = n // G, t + 8
-            per_layer = (n * (t + 1) + B * P) * kvh * D * 2 * 2  # K and V
-            shapes = [(B, kvh, P, D)] * 2 + [(n, kvh, T, D)] * 2  # pk, pv, ck, cv
-            layers = [[torch.randn(*s, device=DEV, dtype=dt) for s in shapes]
-                      for _ in range(max(2, min(8, 2**28 // per_layer + 1)) if CUDA else 1)]
-            q = torch.randn(n, h, 1, D, device=DEV, dtype=dt)
-            kv = torch.randn(n, kvh, 1, D, device=DEV, dtype=dt)
-            angle = torch.randn(n, 1, D // 2, device=DEV).repeat(1, 1, 2)
-            rope = (angle.cos().to(dt), angle.sin().to(dt))  # (RoPE in the kernel, as the engine runs it)
-            st = SimpleNamespace(rows=torch.arange(n, device=DEV), done=torch.zeros(n, dtype=torch.bool, device=DEV),
-                                 start=torch.zeros(B, dtype=torch.int32, device=DEV),
-                                 slot=torch.full((1,), t, dtype=torch.long, device=DEV), G=G)
-            cycle = itertools.cycle(layers)
-
-            def run():
-                st.splits = dk.num_splits(n, kvh, q.device)
-                return dk.decode_attention_triton(q, kv, kv, next(cycle), st, D ** -0.5, *rope)
-            ref = dk.decode_attention_torch(dk.rope_torch(q, *rope), dk.rope_torch(kv, *rope), kv, layers[0], st,
-                                            D ** -0.5).float()
-            out = run().float()  # (layers[0]: the cycle starts there)
-            err = ((out - ref).abs().max() / ref.abs().max()).item()
-            ideal = per_layer / bw * 1e6
-            tt = do_bench_cudagraph(run, rep=30) * 1e3 if CUDA else math.nan
-            line = (f"{shape:>5} {n:>4} {t:>5} {dk.num_splits(n, kvh, q.device):>6} {dk.stage_count(D):>6} | "
-                    f"{per_layer / 1e6:>6.1f} {ideal:>8.1f} | {tt:>7.1f} {ideal / tt:>5.2f} | {err:>7.1e}")
-            print(line, flush=True)
-            del layers
-            sync()
-
-
 def bench_profile(shape="1.5B", row_counts=(128, 32, 8), P=64, T=512):
     """`python bench_rollout.py profile [SHAPE]`: where a decode step's time goes, kernel by kernel (torch.profiler over
     one whole generate_groups call after a warm-up call; CUDA graphs and the compiled forward as in training; no EOS,
@@ -346,9 +292,7 @@ def bench_lora(path=None, r=16, B=8, G=8, P=64, T=1024):
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if argv[:1] == ["attention"]:
-        bench_attention()
-    elif argv[:1] == ["rows"]:  # shapes and row counts in any order: rows 1.5B 16 8
+    if argv[:1] == ["rows"]:  # shapes and row counts in any order: rows 1.5B 16 8
         bench_rows(tuple(a for a in argv[1:] if not a.isdigit()) or ("0.5B", "1.5B"),
                    tuple(int(a) for a in argv[1:] if a.isdigit()) or (128, 64, 32, 16, 8))
     elif argv[:1] == ["lora"]:

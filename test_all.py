@@ -2852,6 +2852,28 @@ def test_bench_e2e_torchrun_cells_parse():
 
 
 @check
+def test_bench_step_phases_from_a_trace():
+    """bench_step.gpu_phases on a hand-made chrome trace: a kernel counts in the innermost range open when the host
+    launched it (a backward kernel, launched on autograd's thread inside update only, is backward; one launched
+    outside every update not at all); idle is the update's wall minus the union of its kernels' intervals"""
+    import json
+    import tempfile
+    import bench_step
+    ev = [dict(cat="user_annotation", name=n, ts=a, dur=b - a) for n, a, b in (  # (us)
+        ("update", 0, 100), ("forward", 0, 40), ("prompt", 0, 10), ("lm_head", 30, 40), ("optimizer", 80, 95),
+        ("update", 200, 210))]
+    for c, (t, start, dur) in enumerate(((5, 6, 4), (20, 21, 10), (35, 28, 6), (50, 51, 20), (90, 91, 3),
+                                         (150, 151, 50), (205, 205, 2))):  # kernels 1 and 2 overlap by 3 us
+        ev += [dict(cat="cuda_runtime", name="cudaLaunchKernel", ts=t, dur=1, args=dict(correlation=c)),
+               dict(cat="kernel", name=f"k{c}", ts=start, dur=dur, args=dict(correlation=c))]
+    path = os.path.join(tempfile.mkdtemp(prefix="nanogrpo_trace_"), "trace.json")
+    json.dump(dict(traceEvents=ev), open(path, "w"))
+    phases, wall = bench_step.gpu_phases(path)
+    want = dict(prompt=4, forward=10, lm_head=6, backward=20 + 2, optimizer=3, idle=110 - (4 + 13 + 20 + 3 + 2))
+    assert abs(wall - 110e-6) < 1e-12 and all(abs(phases[k] - v / 1e6) < 1e-12 for k, v in want.items()), (
+        phases, wall)
+
+@check
 @cpu_processes
 def test_grpo_torchrun_four_ranks():
     """`torchrun --nproc_per_node=4 grpo.py` on CPU (gloo, FSDP2): nothing assumes 2 ranks. A step logged once, the

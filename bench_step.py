@@ -1,0 +1,178 @@
+"""
+Where a GRPO step's time goes, against its hardware floor (issue 43): `python bench_step.py [WORD ...]` runs each cell
+(name has every WORD) as `grpo.py` for 4 steps on a random-weight model (bench_e2e's), in a fresh process; step 3 is
+timed, step 4's update runs under torch.profiler.
+
+Floors: generation = the HBM roofline of the decode steps it ran (every weight once a step + each live row's K/V,
+prompt + tokens so far, at bench_rollout.SPEC_BW); update = k * N * tokens / the bf16 GEMM rate (an 8192^3 matmul in
+the same process): N the matmul parameters, tokens each prompt once + its completions, per pass, k = 6 (forward,
+input and weight gradients) or 4 for LoRA (no weight gradient for the frozen base); checkpointing's recompute is a
+cost, not floor. Phases (ranges set here, none in the library): the GPU time of the kernels launched in prompt
+(kv_reuse's prompt pass), forward (the rest of the micro-batches' forwards), lm_head (the log-prob kernel, both
+ways), optimizer (clip + AdamW), backward (the rest of update_step); idle = its wall with no kernel running.
+"""
+import json
+import os
+import sys
+import time
+
+import bench_e2e
+
+GEN = ["--max_completion_len=1024", "--gradient_checkpointing=True"]
+CELLS = {  # name: (model (bench_e2e family), grpo flags)
+    "1.5B full 16x8x1024 gc": ("qwen2.5-1.5b", ["--prompts_per_step=16", "--group_size=8"] + GEN),
+    "1.5B full 16x8x1024 mbt=16384": ("qwen2.5-1.5b", ["--prompts_per_step=16", "--group_size=8",
+                                                       "--max_completion_len=1024", "--micro_batch_tokens=16384"]),
+    "7B lora 8x8x1024 gc": ("qwen2.5-7b", ["--prompts_per_step=8", "--group_size=8", "--lora_r=16"] + GEN),
+    "1.5B full 8x16x4096 gc": ("qwen2.5-1.5b", ["--prompts_per_step=8", "--group_size=16",
+                                                "--max_completion_len=4096", "--gradient_checkpointing=True"]),
+    "135M default 32x16x64": ("smollm2-135m", ["--prompts_per_step=32", "--group_size=16",  # the default run's
+                                              "--max_completion_len=64"]),
+}
+PHASES = ("lm_head", "prompt", "optimizer", "forward", "update")  # innermost first: a kernel counts in the first
+
+
+def gpu_phases(trace):
+    """({phase: seconds of GPU time}, the update's wall seconds) from a chrome trace: a kernel belongs to the innermost
+    range open when the host launched it (its correlation id's runtime call), on any thread (backward runs on
+    autograd's); idle = the wall minus the union of the kernels' intervals"""
+    ev = json.load(open(trace))["traceEvents"]
+    ranges = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("cat") == "user_annotation"
+              and e.get("name") in PHASES]
+    launch = {e["args"]["correlation"]: e["ts"] for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")
+              and "correlation" in e.get("args", {})}
+    out = dict.fromkeys(("prompt", "forward", "lm_head", "backward", "optimizer", "idle"), 0.0)
+    busy = []
+    for k in (e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
+        t = launch.get(k.get("args", {}).get("correlation"))
+        names = {n for a, b, n in ranges if t is not None and a <= t <= b}
+        if "update" in names:
+            out[next(n for n in PHASES if n in names).replace("update", "backward")] += k["dur"] / 1e6
+            busy.append((k["ts"], k["ts"] + k["dur"]))
+    updates = [(a, b) for a, b, n in ranges if n == "update"]
+    wall, end = sum(b - a for a, b in updates) / 1e6, 0.0
+    for a, b in sorted(busy):  # the union of the kernels' intervals: the rest of the wall is idle
+        out["idle"] -= (max(b, end) - max(a, end)) / 1e6
+        end = max(end, b)
+    out["idle"] += wall
+    return out, wall
+
+
+def run(args):
+    """in the cell's process: grpo.train(args), the ranges and the profiler set around it; writes the cell's numbers"""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    import batching
+    import checkpoint
+    import grpo
+    import kernel
+    import kv_reuse
+    import logprobs
+    checkpoint.save_checkpoint = lambda *a, **k: None
+    seen = {"steps": 0}
+    steps = int(next(a.split("=")[1] for a in args if a.startswith("--max_steps=")))
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else []))
+
+    def ranged(name, fn, start=False):
+        def wrapped(*a, **k):
+            if start and seen["steps"] == steps and not seen.get("profiling"):
+                seen["profiling"] = prof.start() or True  # the last step's updates, profiled
+            with record_function(name):
+                return fn(*a, **k)
+        return wrapped
+
+    def sample_step(*a, **k):  # the timed step's groups: what the floors need
+        out = sample_fn(*a, **k)
+        seen["steps"] += 1
+        if seen["steps"] == steps - 1:
+            buf = out[0]
+            seen.update(P=buf["prompt_mask"].sum(1).tolist(), C=buf["completion_mask"].sum(1).tolist(),
+                        G=buf["group_size"])
+        return out
+
+    def load_model(*a, **k):  # the prompt pass: the trunk called with kv_reuse's capturing cache
+        model = load_fn(*a, **k)
+        trunk, fwd = model.model, model.model.forward
+        seen["model"] = model
+
+        def forward(*fa, **fk):
+            cache = fk.get("cache", fk.get("past_key_values"))
+            if cache is not None and isinstance(getattr(cache, "layers", [None])[0], kv_reuse.CaptureLayer):
+                with record_function("prompt"):
+                    return fwd(*fa, **fk)
+            return fwd(*fa, **fk)
+        trunk.forward = forward
+        return model
+    sample_fn, load_fn = grpo.sample_step, checkpoint.load_model
+    grpo.sample_step, checkpoint.load_model = sample_step, load_model
+    batching.update_step = ranged("update", batching.update_step, start=True)
+    batching.micro_batch_loss = ranged("forward", batching.micro_batch_loss)
+    torch.nn.utils.clip_grad_norm_ = ranged("optimizer", torch.nn.utils.clip_grad_norm_)
+    torch.optim.AdamW.step = ranged("optimizer", torch.optim.AdamW.step)
+    for fn in (kernel._FusedLogprobs, logprobs._ChunkedLogprobs):
+        fn.forward, fn.backward = (staticmethod(ranged("lm_head", f)) for f in (fn.forward, fn.backward))
+    grpo.train(args)
+    out_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--out_dir="))
+    if seen.get("profiling"):
+        prof.stop()
+        prof.export_chrome_trace(os.path.join(out_dir, "trace.json"))
+    recs = [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl")) if line.strip()]
+    timed = [r for r in recs if "gen_s" in r][-2]  # step 3: step 4 ran under the profiler
+    model = seen["model"]
+    cfg, dev = model.config, torch.cuda.is_available()
+    n = 8192 if dev else 512
+    x = torch.randn(n, n, dtype=torch.bfloat16, device="cuda" if dev else "cpu")
+    for reps in (1, 10):  # (the first: warm-up)
+        torch.cuda.synchronize() if dev else None
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            x @ x
+        torch.cuda.synchronize() if dev else None
+    rate = 10 * 2 * n**3 / (time.perf_counter() - t0)  # FLOP/s
+    lora = any(a.startswith("--lora_r=") and a != "--lora_r=0" for a in args)
+    n_mat = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "lora_" not in n
+                and ("embed_tokens" not in n or cfg.tie_word_embeddings))  # the matrices a token runs through
+    iters = int(next((a.split("=")[1] for a in args if a.startswith("--num_iterations=")), 1))
+    tokens = (sum(seen["P"]) + sum(seen["C"])) * iters  # kv_reuse: each prompt once, its G completions
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * D * 2  # bytes of one token's K and V (bf16)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    P = [seen["P"][r // seen["G"]] for r in range(len(seen["C"]))]  # each row's prompt length
+    kv_read = sum(p * c + c * (c - 1) / 2 for p, c in zip(P, seen["C"])) * kv_token  # a row's steps: P + t each
+    import bench_rollout
+    bw = bench_rollout.spec_bandwidth() or float("nan")
+    res = dict(gen=timed["gen_s"], update=timed["update_s"], peak=max(r["peak_gib"] for r in recs if "peak_gib" in r),
+               gen_floor=(max(seen["C"]) * weights + kv_read) / bw, rate=rate,
+               update_floor=(4 if lora else 6) * n_mat * tokens / rate,
+               phases=gpu_phases(os.path.join(out_dir, "trace.json")) if dev and seen.get("profiling") else ({}, 1.0))
+    json.dump(res, open(os.path.join(out_dir, "step.json"), "w"))
+
+
+def main(words):
+    import torch
+    cells = {k: v for k, v in CELLS.items() if all(w in k for w in words)}
+    print(f"GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}, torch {torch.__version__}; "
+          f"seconds of step 3, floors as in this file's docstring; phases: the profiled step 4's update")
+    print(f"| {'cell':<32} | {'gen s':>6} {'floor':>6} {'frac':>5} | {'upd s':>6} {'floor':>6} {'frac':>5} | "
+          f"{'step':>5} | {'GiB':>5} | update phases, % of its wall")
+    for name, (model, flags) in cells.items():
+        out_dir = os.path.join(bench_e2e.BENCH_DIR, "step", "".join(c if c.isalnum() else "_" for c in name))
+        row = bench_e2e.run_cell(name, model, flags + ["--max_steps=4"], 1, out_dir, __file__)
+        try:
+            r = json.load(open(os.path.join(out_dir, "step.json")))
+        except (OSError, ValueError):
+            print(f"| {name:<32} | ERROR {row.get('why', '')}", flush=True)
+            continue
+        phases, wall = r["phases"]
+        ph = " ".join(f"{k} {100 * v / wall:.0f}" for k, v in phases.items())
+        print(f"| {name:<32} | {r['gen']:6.2f} {r['gen_floor']:6.2f} {r['gen_floor'] / r['gen']:5.2f} | "
+              f"{r['update']:6.2f} {r['update_floor']:6.2f} {r['update_floor'] / r['update']:5.2f} | "
+              f"{(r['gen_floor'] + r['update_floor']) / (r['gen'] + r['update']):5.2f} | {r['peak']:5.1f} | {ph} "
+              f"(GEMM {r['rate'] / 1e12:.0f} TFLOP/s)", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--run-cell"]:
+        run(sys.argv[2:])
+    else:
+        main(sys.argv[1:])
