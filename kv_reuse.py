@@ -13,7 +13,7 @@ recompute sees the same tensors. transformers' checkpointing wrapper drops a lay
 `_can_checkpoint_with_cache` (5.17 on), which cache_through_checkpoint sets on the layer instances for the call.
 
 Attention in the completion pass: each of the B*G rows attends its prompt (P-1 keys) plus its own completion,
-lower-right causal: HF's mask from our 2D (B*G, P-1+C) padding mask, or none when no prompt is padded (LowerRightCausal).
+lower-right causal: HF's mask from our 2D (B*G, P-1+C) padding mask, or none if no prompt is padded (LowerRightCausal).
 """
 import contextlib
 import inspect
@@ -72,10 +72,10 @@ class PrefixLayer(DynamicLayer):
 
 
 class LowerRightCausal(torch.Tensor):
-    """4D stand-in for the (B*G, 1, C, P'+C) mask when no row has padding in its prompt. HF hands a 4D mask as given
-    to the attention function (lower_right_sdpa), which runs torch's lower-right CausalBias instead, as SDPA itself
-    would here: query t sees keys <= P'+t, as flash attention does natively (no mask in memory, no mem-efficient
-    fallback). Right padding of the completions needs no mask: a real query never reaches a padding key (all later)."""
+    """4D stand-in for the (B*G, 1, C, P'+C) mask when no row has padding in its prompt. HF hands a 4D mask as given to
+    the attention function (lower_right_sdpa), which runs torch's lower-right CausalBias instead, as SDPA itself would
+    here: query t sees keys <= P'+t, which flash attention does natively (no mask in memory, no mem-efficient fallback).
+    Right padding of the completions needs no mask: a real query never reaches a padding key (all come after it)."""
 
     @staticmethod
     def __new__(cls, shape, device):
