@@ -10,8 +10,7 @@ gradient-accumulation micro-batch and "how many updates per sample" is its own k
     steps_per_generation = K: the groups are shuffled and cut into K disjoint mini-batches, one optimizer step each;
         num_iterations passes over the K mini-batches = num_iterations * K optimizer steps per generation (TRL)
     loss_weights (B*G, C): the loss_type normalizer of the whole MINI-batch, baked into one weight per token
-    micro_batches: whole groups under a token budget (kv_reuse forwards a group's prompt once); a lone group
-        over it runs in parts of its completions (micro_batch_parts)
+    micro_batches: whole groups under a token budget; a lone group over it runs in parts (micro_batch_parts)
     old / ref log-probs under no_grad, micro-batch by micro-batch (old skipped when exactly on-policy)
     update_step: sum over micro-batches of sum(per_token_loss * weight) -> backward -> clip -> optimizer.step
 """
@@ -41,9 +40,8 @@ def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temp
         model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature=temperature, top_p=top_p,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, return_logprobs=True, compile=compile)  # (B*G, C) each
     completion_mask = completion_mask.long()
-    # a completion is truncated when it filled max_completion_len without emitting EOS
     has_eos = (torch.isin(completion_ids, eos_tensor(eos_token_id, completion_ids.device))
-               & (completion_mask == 1)).any(1)  # (B*G,)
+               & (completion_mask == 1)).any(1)  # (B*G,); with no EOS it filled max_completion_len: truncated
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(), completion_ids=completion_ids,
                 completion_mask=completion_mask, truncated=~has_eos, group_size=group_size, sampler_logp=sampler_logp,
                 decode=LAST["path"])
@@ -60,8 +58,7 @@ def select_groups(buf, idx):
 
 
 def concat_groups(bufs, pad_token_id):
-    """one buffer of the groups of several (dynamic sampling's draws): prompts left-padded, completions right-padded
-    to the widest"""
+    """one buffer of the groups of several (dynamic sampling's draws), padded to the widest prompt and completion"""
     P = max(b["prompt_ids"].shape[1] for b in bufs)
     C = max(b["completion_ids"].shape[1] for b in bufs)
     left = lambda x, v: torch.nn.functional.pad(x, (P - x.shape[1], 0), value=v)  # noqa: E731
@@ -174,15 +171,11 @@ def slice_groups(buf, b0, b1):
     """the groups [b0, b1) of the buffer, with the padding columns that no row of the slice uses cut off"""
     G = buf["group_size"]
     pm = buf["prompt_mask"][b0:b1]
-    cm = buf["completion_mask"][b0 * G:b1 * G]
+    rows = {k: buf[k][b0 * G:b1 * G] for k in ROW_KEYS if k in buf}
     p_keep = max(int(pm.sum(1).max()), 1)  # prompts are left-padded: keep the last p_keep columns
-    c_keep = max(int(cm.sum(1).max()), 1)  # completions are right-padded: keep the first c_keep columns
-    mb = dict(group_size=G, prompt_ids=buf["prompt_ids"][b0:b1, -p_keep:], prompt_mask=pm[:, -p_keep:])
-    for k in ROW_KEYS:
-        if k in buf:
-            v = buf[k][b0 * G:b1 * G]
-            mb[k] = v[:, :c_keep] if v.dim() == 2 else v  # (rows, c_keep) or (rows,)
-    return mb
+    c_keep = max(int(rows["completion_mask"].sum(1).max()), 1)  # completions are right-padded: keep the first c_keep
+    return dict(group_size=G, prompt_ids=buf["prompt_ids"][b0:b1, -p_keep:], prompt_mask=pm[:, -p_keep:],
+                **{k: v[:, :c_keep] if v.dim() == 2 else v for k, v in rows.items()})  # (rows, c_keep) or (rows,)
 
 
 def micro_batch_parts(buf, b0, b1, cfg):
@@ -196,18 +189,15 @@ def micro_batch_parts(buf, b0, b1, cfg):
     if b1 - b0 > 1 or g >= G:
         return [(b0 * G, mb)]
     parts = []
-    for r in range(0, G, g):
+    for r in range(0, G, g):  # each part a group of its own, with the padding columns it does not use cut off
         rows = {k: mb[k][r:r + g] for k in ROW_KEYS if k in mb}
-        c_keep = max(int(rows["completion_mask"].sum(1).max()), 1)  # this part's longest completion
-        rows = {k: v[:, :c_keep] if v.dim() == 2 else v for k, v in rows.items()}
-        parts.append((b0 * G + r, dict(mb, group_size=len(rows["completion_ids"]), **rows)))
+        parts.append((b0 * G + r, slice_groups(dict(mb, group_size=len(rows["completion_ids"]), **rows), 0, 1)))
     return parts
 
 
 def completion_logprobs(model, mb, keep, temperature, logprob_impl, kv_reuse, entropy):
-    """log pi(token) of the completion tokens where keep (B*G, C) is True, response-only (slime #2076): (B*G, C, H)
-    -> (N, H) -> LM head, so padding never costs a logits row. Returns (logp (N,), ent (N,) or None), N = keep.sum(),
-    row-major order."""
+    """log pi(token) of the completion tokens where keep (B*G, C) is True, response-only (slime #2076): padding never
+    costs a logits row. Returns (logp (N,), ent (N,) or None), N = keep.sum(), row-major."""
     args = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"], mb["group_size"], keep,
             temperature, logprob_impl, kv_reuse, entropy)
     if "logprobs_forward" in vars(model):  # FSDP2 (grpo.shard_model): the same function, as a forward of the root
@@ -297,11 +287,9 @@ def sampling_correction(old, sampler, keep, cfg):
 
 
 def micro_batch_loss(model, mb, cfg):
-    """sum over this micro-batch's tokens of (policy_loss + beta * k3) * weight (weights carry the mini-batch's
-    normalizer), with
+    """sum over this micro-batch's tokens of (policy_loss + beta * k3) * loss_weights, with
         k3 = exp(ref - logp) - (ref - logp) - 1   (unbiased, always >= 0 KL estimate, Schulman)
-    when old_logp is absent (one update per generation) old = logp.detach(): ratio is exactly 1, the gradient is
-    A * grad(logp)."""
+    Without old_logp (one update per generation) old = logp.detach(): ratio exactly 1, gradient A * grad(logp)."""
     keep = mb["loss_weights"] > 0  # (B*G, C): loss mask 1 (masked truncated rows drop out here, before the LM head)
     logp, ent = completion_logprobs(model, mb, keep, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse, True)
     logp = logp.float()  # (N,)
@@ -332,8 +320,7 @@ def micro_batch_loss(model, mb, cfg):
     else:
         low = ((ratio < 1 - cfg.epsilon) & (adv < 0)).float()
         high = ((ratio > 1 + cfg.epsilon_high) & (adv > 0)).float()
-    stats["clip_low"] = (low * w).sum()
-    stats["clip_high"] = (high * w).sum()
+    stats["clip_low"], stats["clip_high"] = (low * w).sum(), (high * w).sum()
     stats["clip_ratio"] = stats["clip_low"] + stats["clip_high"]
     stats["entropy"] = (ent.detach().float() * w).sum()
     if ent_mask is not None:
@@ -376,10 +363,9 @@ def backward(model, buf, mbs, cfg):
 
 
 def update_step(model, optimizer, buf, mbs, cfg, master=None):
-    """one optimizer step over one mini-batch (the micro-batches mbs, one entry of prepare_buffer's list):
-    accumulate the micro-batches' gradients (the same sum for any split: loss_weights), clip, step. With `master`
-    (float32 copies of a bf16 model's parameters, which the optimizer holds) the gradients go to the masters, so the
-    clip norm is float32 too, and the stepped masters are rounded back into the model."""
+    """one optimizer step over one mini-batch (mbs: one entry of prepare_buffer's list). With `master` (float32 copies
+    of a bf16 model's parameters, which the optimizer holds) the gradients go to the masters, so the clip norm is
+    float32 too, and the stepped masters are rounded back into the model."""
     totals, loss_total, w_sum = backward(model, buf, mbs, cfg)
     units = fsdp_modules(model)
     params = list(model.parameters())
@@ -409,8 +395,7 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
     # nan for the stats no micro-batch reported (none does when every completion was truncated and masked)
     out = dict.fromkeys(("clip_low", "clip_high", "clip_ratio", "entropy", "ratio_mean", "ratio_dev_max"), math.nan)
     out.update({k: v if stat_op(k) != "sum" else v / max(w_sum, 1e-12) for k, v in zip(keys, vals)})
-    out["loss"], out["grad_norm"] = loss_total, grad_norm
-    return out
+    return dict(out, loss=loss_total, grad_norm=grad_norm)
 
 
 def prepare_buffer(model, ref_model, buf, rewards, cfg):

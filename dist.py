@@ -1,11 +1,10 @@
 """
-torchrun's ranks, for the files above (grpo, checkpoint, batching): who is who, sums over ranks (and a step's
-logged stats over them: stat_op, global_stats), FSDP2's units.
+torchrun's ranks, for grpo, checkpoint and batching: who is who, sums over ranks (and a step's logged stats over them:
+stat_op, global_stats), FSDP2's units.
 
-Under `torchrun --nproc_per_node=N grpo.py` every rank holds whole groups of the generation batch; batching counts
-the loss normalizers over the ranks (global_sum), so the SUM over ranks of the ranks' gradients is the one-process
-gradient of the whole batch. Plain `python grpo.py` sets no RANK: rank 0 of 1, and every helper here is the
-identity or a no-op.
+Under `torchrun --nproc_per_node=N grpo.py` every rank holds whole groups of the generation batch; batching counts the
+loss normalizers over the ranks (global_sum), so the SUM over ranks of the ranks' gradients is the one-process gradient
+of the whole batch. Plain `python grpo.py` sets no RANK: rank 0 of 1, and every helper here is the identity or a no-op.
 """
 import contextlib
 import math
@@ -53,9 +52,8 @@ def fsdp_modules(model):
 @contextlib.contextmanager
 def gathered(model):
     """FSDP2: the full weights on every rank for generation (one all-gather per unit, not one per decode step),
-    resharded on exit; generation sets FSDP's forward hooks aside meanwhile (rollout.sampling), so the plain HF
-    modules run on them. A no-op for a plain model. Every rank must enter it together (the all-gathers are
-    collectives)."""
+    resharded on exit; generation sets FSDP's forward hooks aside meanwhile (rollout.sampling), so the plain HF modules
+    run on them. A no-op for a plain model. Every rank must enter it together (the all-gathers are collectives)."""
     units = fsdp_modules(model)
     for m in units:
         m.unshard()
@@ -99,8 +97,7 @@ def stat_op(key):
 
 
 def global_stats(totals, dev):
-    """batching.update_step's stats (0-dim tensors) over all ranks: sums summed, *_max maxed, *_min minned (a rank
-    that skipped every micro-batch has no keys: it joins with the neutral value)"""
+    """batching.update_step's stats over all ranks, by stat_op (a rank with no key joins with the neutral value)"""
     keys = sorted({k for ks in all_ranks(sorted(totals)) for k in ks})
     out = {}
     for op, neutral in (("max", -math.inf), ("min", math.inf), ("sum", 0.0)):

@@ -1,23 +1,19 @@
 """
-Prompt KV reuse for GRPO: each prompt is run once per group, its keys/values (with their autograd graph) are
-repeated G times, and only the completions run on top of them.
+Prompt KV reuse for GRPO: each prompt is run once per group, its keys/values (with their autograd graph) are repeated
+G times, and only the completions run on top of them. The caller applies lm_head to completion_hidden's output
+(logprobs.py); sampling the completions is rollout.py's.
 
     full path  : B*G*(P+C) tokens through the trunk     (every completion re-reads its whole prompt)
     reuse path : B*(P-1) + B*G*C tokens                  (prefill once, then the G completions attend to it)
 
-The caller applies lm_head to completion_hidden's output (logprobs.py). Sampling the completions is rollout.py's.
-
-Why the prefill must keep its graph: the completions' loss reaches the prompt's positions only through their K/V
-(TRL PR #2669 ran the prefill under no_grad and lost all of it: half the embedding gradient in test_kv_*'s tiny
-models, and every weight's gradient from the prompt positions). Gradient checkpointing re-runs each decoder
-layer in backward, so the caches here never append: the prefill's cache *sets* each layer's K/V once, and the
-completion pass's cache returns cat(prefix, new) without storing anything, so a recompute sees the same tensors.
-transformers' checkpointing wrapper drops a layer's cache argument unless the layer has `_can_checkpoint_with_cache`
-(5.17 on), which we set on the layer instances for the duration of the call.
+Why the prefill must keep its graph: the completions' loss reaches the prompt's positions only through their K/V (TRL
+PR #2669 ran the prefill under no_grad and lost every weight's gradient from the prompt positions). Gradient
+checkpointing re-runs each decoder layer in backward, so the caches here never append (CaptureLayer, PrefixLayer): a
+recompute sees the same tensors. transformers' checkpointing wrapper drops a layer's cache argument unless the layer has
+`_can_checkpoint_with_cache` (5.17 on), which cache_through_checkpoint sets on the layer instances for the call.
 
 Attention in the completion pass: each of the B*G rows attends its prompt (P-1 keys) plus its own completion,
-lower-right causal. HF builds that mask from the 2D (B*G, P-1+C) padding mask we pass; with no prompt padding under
-sdpa, flash attention runs it with no mask at all (LowerRightCausal, lower_right_sdpa).
+lower-right causal: HF's mask from our 2D (B*G, P-1+C) padding mask, or none if no prompt is padded (LowerRightCausal).
 """
 import contextlib
 import inspect
@@ -76,11 +72,10 @@ class PrefixLayer(DynamicLayer):
 
 
 class LowerRightCausal(torch.Tensor):
-    """4D stand-in for the (B*G, 1, C, P'+C) mask when no row has padding in its prompt. HF hands a 4D mask as given
-    to the attention function (lower_right_sdpa), which runs torch's lower-right CausalBias instead, as SDPA itself
-    would here: query t of the completion pass sees keys <= P'+t, which flash attention does natively (no mask in
-    memory, no mem-efficient fallback). Right padding of the completions needs no mask: a real query never reaches a
-    padding key (they all come after it)."""
+    """4D stand-in for the (B*G, 1, C, P'+C) mask when no row has padding in its prompt. HF hands a 4D mask as given to
+    the attention function (lower_right_sdpa), which runs torch's lower-right CausalBias instead, as SDPA itself would
+    here: query t sees keys <= P'+t, which flash attention does natively (no mask in memory, no mem-efficient fallback).
+    Right padding of the completions needs no mask: a real query never reaches a padding key (all come after it)."""
 
     @staticmethod
     def __new__(cls, shape, device):
@@ -102,8 +97,7 @@ def lower_right_sdpa(module, query, key, value, attention_mask, dropout=0.0, sca
     """transformers' "sdpa" attention, except for a LowerRightCausal mask: there the K/V heads go to SDPA as they are
     (enable_gqa), where HF's sdpa repeats them to the query heads whenever a mask is given (use_gqa_in_sdpa): for
     Qwen2.5-0.5B that is 7 copies of every (B*G, kvh, P'+C, D) K/V in forward and recompute, and a 7-way sum in
-    backward. Installed for the process by use_lower_right_sdpa(); the mask type, not a context, picks the branch,
-    so a gradient-checkpoint recompute (after completion_hidden has returned) takes the same branch."""
+    backward. The mask type picks the branch, not a context: a checkpoint recompute runs after completion_hidden."""
     if not isinstance(attention_mask, LowerRightCausal):  # what "sdpa" would be without us, looked up per call
         sdpa = HF_SDPA[0] or type(ALL_ATTENTION_FUNCTIONS)._global_mapping["sdpa"]  # (AttentionInterface.register)
         return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -131,7 +125,7 @@ def use_lower_right_sdpa():
 
 @contextlib.contextmanager
 def cache_through_checkpoint(trunk):
-    """Let our caches into checkpointed decoder layers (transformers drops a layer's cache argument otherwise)."""
+    """Let our caches into checkpointed decoder layers (the module docstring says why)."""
     layers = [m for m in trunk.layers if isinstance(m, GradientCheckpointingLayer)]
     for layer in layers:
         if layer.gradient_checkpointing and layer.training and torch.is_grad_enabled():
@@ -162,12 +156,11 @@ def checkpointing_enable(model, use_reentrant=False):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# helpers
+# training / scoring forward: its helpers, then completion_hidden
 
 
 def cache_arg(model, cache):
-    """{name: cache} for model's forward: transformers 5.24 renamed its `past_key_values` argument (which warns
-    there) to `cache`"""
+    """{name: cache} for model's forward: transformers 5.24 renamed `past_key_values` (which then warns) to `cache`"""
     return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
 
 
@@ -217,10 +210,6 @@ def check_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, group
         raise ValueError("completions must be right-padded (mask 1...1 0...0)")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# training / scoring forward
-
-
 def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size, reuse=True):
     """Final-norm hidden states (B*G, C, H); row t predicts completion token t (row 0 comes from the prompt's last
     position). prompt_* (B, P) left-padded; completion_* (B*G, C) right-padded, row = b*G + g."""
@@ -246,8 +235,7 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
         trunk(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1], position_ids=pos[:, :-1],
               **cache_arg(trunk, capture), use_cache=False)
         prefix = Cache(layers=[PrefixLayer(l.keys, l.values, G) for l in capture.layers])
-        # 2) completion pass: [last prompt token, completion[:-1]] (B*G, C) on top of the prefix, so output row t
-        # predicts completion token t. The 2D mask covers prefix + new tokens; HF builds causal+padding from it.
+        # 2) completion pass: [last prompt token, completion[:-1]] (B*G, C) on top of the prefix
         ids = torch.cat([prompt_ids[:, -1:].repeat_interleave(G, 0), completion_ids[:, :-1]], dim=1)
         mask = torch.cat([prompt_mask[:, :-1].repeat_interleave(G, 0), prompt_mask[:, -1:].repeat_interleave(G, 0),
                           completion_mask[:, :-1]], dim=1)  # (B*G, P-1+C)

@@ -4,8 +4,7 @@ LoRA through PEFT (optional: `pip install peft`, needed only when --lora_r > 0).
 and only A, B train (float32, in the optimizer); the base stays frozen in the run's dtype, with no float32 master.
 
 The adapters go into the HF model in place (peft.inject_adapter_in_model), so the policy keeps its class and
-`model.model.layers`, which kv_reuse, rollout and batching read: a PeftModel wrapper would not. What the rest of the
-trainer asks of LoRA is here:
+`model.model.layers`, which kv_reuse, rollout and batching read: a PeftModel wrapper would not. The trainer uses:
     add_lora(model, r, alpha, dropout, targets)   the adapters in, everything else frozen
     effective_weight(linear)                      rollout's decode: W + (alpha/r) B A folded once per rollout
     disabled(model)                               the reference model when beta > 0: the base, adapters off
@@ -91,8 +90,7 @@ def load_adapter(model, path):
     """the adapter weights of a save_adapter directory into a model that add_lora prepared with the same config"""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
-    state = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v
-             for k, v in load_file(os.path.join(path, "adapter_model.safetensors")).items()}
+    state = {k.removeprefix(PREFIX): v for k, v in load_file(os.path.join(path, "adapter_model.safetensors")).items()}
     result = set_peft_model_state_dict(model, state)
     if getattr(result, "unexpected_keys", None):
         raise ValueError(f"{path}: adapter weights that match no LoRA layer of the model: {result.unexpected_keys[:4]}")
