@@ -9,10 +9,9 @@ The decode step's kernels, each beside its torch reference (rollout.py is the en
    log-sum-exp:
        o = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),   M = max_s lse_s
    Finished rows attend nothing. decode_attention_torch is the same function in torch ops (and the CPU path);
-   nanogrpo::decode_attention is either, as a torch op (rollout's decode_forward calls it between its compiled parts).
-2. Sampling without a host sync: the inverse CDF, min{k : sum_{j<=k} p_j > u}, in two Triton kernels that read the
-   logits about once (temperature only), or the exponential race argmax_k p_k / E_k, E_k ~ Exp(1), in torch ops
-   behind HF's top-k/top-p warpers (sample); both draw k with probability p_k (torch.multinomial would sync).
+   nanogrpo::decode_attention is either, as a torch op.
+2. Sampling without a host sync (torch.multinomial would sync): inverse-CDF Triton kernels (sample_triton,
+   temperature only), or an exponential race in torch ops behind HF's top-k/top-p warpers (sample).
 
 The decode state the attention reads (st): rows (n,) the cache row of each slot, done (n,) finished slots, start (B,)
 each prompt's first real column, slot (1,) this step's completion column, G, and the split count.
@@ -33,10 +32,9 @@ SPLIT_WAVES = 2  # key splits: enough (slot, K/V head, split) programs to fill t
 
 def pdl_launch(device):
     """a launch's arguments for Hopper's programmatic dependent launch (compute capability >= 9, not in the
-    interpreter): the kernel may be launched while the one before it runs (launch_pdl) and waits for that one's
-    writes before it reads anything the step changes (USE_GDC). The decode step is a chain of small kernels, so
-    overlapping each launch with the kernel before saves ~10% a step at few rows (H200, 1.5B: 1.91 -> 1.72 ms at 8
-    rows); the arithmetic is the same, so are the tokens."""
+    interpreter): a kernel may launch while the one before it runs (launch_pdl) and waits in _wait_for_previous_kernel
+    (USE_GDC). The decode step is a chain of small kernels, so overlapping each launch with the kernel before saves ~10%
+    a step at few rows (1.5B, 8 rows, H200: 1.91 -> 1.72 ms); same arithmetic, same tokens."""
     on = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 and \
         os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     return dict(USE_GDC=True, launch_pdl=True) if on else dict(USE_GDC=False)
@@ -44,8 +42,7 @@ def pdl_launch(device):
 
 @triton.jit
 def _wait_for_previous_kernel(USE_GDC: tl.constexpr):
-    """under PDL the kernel may start before the one it follows has finished: wait for that one's writes, then let
-    the next kernel be launched (it waits in turn)"""
+    """under PDL: wait for the previous kernel's writes, then let the next kernel launch (it waits in turn)"""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -79,8 +76,7 @@ def _attend_columns(k_ptr, v_ptr, base, stride_l, j_lo, j_hi, q, m_i, l_i, acc, 
 
 @triton.jit
 def _rope(x, x_ptrs, offs_d, cos, sin, mask, D: tl.constexpr):
-    """RoPE on rows x (.., D) loaded from x_ptrs (.., D) (mask: their mask), in fp32, rounded once to x's dtype:
-    x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1] for the halves x = [x1, x2] (transformers' formula)"""
+    """RoPE (rope_torch's formula) on rows x loaded from x_ptrs under mask, in fp32, rounded once to x's dtype"""
     partner = tl.load(x_ptrs + tl.where(offs_d < D // 2, D // 2, -(D // 2)), mask=mask, other=0.)
     rotated = tl.where(offs_d < D // 2, -partner.to(tl.float32), partner.to(tl.float32))
     return (x.to(tl.float32) * cos + rotated * sin).to(x.dtype)
@@ -100,8 +96,7 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, cos_ptr, sin_ptr, pk_ptr, pv
     column. ROPE: q and this step's key come unrotated, with the slots' (cos, sin) rows (stride_rn apart). The split
     that owns column t first stores this step's K/V there (knew rotated)."""
     pid_n, pid_h, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # before the PDL wait: the decode state (set at the last step's end, not by the kernel before), a chain of
-    # dependent loads off the critical path when that kernel launches us early (PDL)
+    # before the PDL wait, off the critical path: the decode state (the last step's end set it, not the kernel before)
     row = tl.load(rows_ptr + pid_n).to(tl.int64)
     b = row // G
     n_pre = P - tl.load(start_ptr + b)  # the prompt's real (unpadded) columns
@@ -247,12 +242,11 @@ def decode_attention_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
                         pv: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, done: torch.Tensor,
                         start: torch.Tensor, slot: torch.Tensor, G: int, scale: float, impl: str,
                         cos: Optional[torch.Tensor] = None, sin: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """decode_forward's attention as a torch op: the decode state comes in as arguments (no global), and
-    torch.compile can trace a forward with this op inside it (it knows the op writes ck/cv), where a
-    compiler-disabled function would break the graph. (decode_forward cuts its compiled parts at it: no compiler
-    fuses across it anyway.) cos/sin (n, 1, D): q and k_new come without RoPE and the op applies it, in the kernel
-    (one launch less a layer) or in torch ops before the cast. (n, 1, h, D), in pk's dtype: under autocast with
-    fp32 weights RoPE hands back fp32 q/k beside a bf16 v, so all three are cast to the caches'."""
+    """decode_forward's attention as a torch op: the decode state comes in as arguments (no global), and torch.compile
+    can trace a forward with this op inside it (it knows the op writes ck/cv), where a compiler-disabled function would
+    break the graph. cos/sin (n, 1, D): q and k_new come without RoPE and the op applies it, in the kernel (one launch
+    less a layer) or in torch ops before the cast. (n, 1, h, D), in pk's dtype: under autocast with fp32 weights RoPE
+    hands back fp32 q/k beside a bf16 v, so all three are cast to the caches'."""
     dt = pk.dtype
     st = SimpleNamespace(rows=rows, done=done, start=start, slot=slot, G=G,
                          splits=num_splits(rows.shape[0], pk.shape[1], q.device))
@@ -282,10 +276,9 @@ def num_splits(n, kvh, device):
 
 
 def sample(logits, warpers):
-    """(n, V) logits -> (n,) tokens with torch ops (any warpers), and their log-probs under the distribution they
-    were drawn from (greedy: plain softmax). Exponential race: argmax_k p_k / E_k with E_k ~ Exp(1) iid picks k with
-    probability p_k (the minimum of independent Exp(p_k)), with no host sync. E is clamped away from 0, where a
-    token of probability 0 would tie."""
+    """(n, V) logits -> (n,) tokens with torch ops (any warpers), and their log-probs under the distribution they were
+    drawn from (greedy: plain softmax). Exponential race: argmax_k p_k / E_k with E_k ~ Exp(1) iid picks k with
+    probability p_k (the minimum of independent Exp(p_k)). E is clamped away from 0, where p = 0 tokens would tie."""
     logits = logits.float()
     for w in warpers or []:
         logits = w(None, logits)
@@ -341,11 +334,10 @@ def _sample_pick_kernel(logits_ptr, part_ptr, tok_ptr, logp_ptr, seed_ptr, V, st
 
 
 def sample_triton(logits, seed, temperature, BLOCK_V=2048):
-    """(n, V) logits (any float dtype) -> (n,) tokens drawn from softmax(logits / temperature) and their log-probs
-    under it (n,); seed (1,) int64 on the device, advanced by one per call (inside a CUDA graph too). Two kernels:
-    per-block max and exp-sums over all (row, block) pairs (enough programs at any row count), then one program a
-    row picks its block and id. ~one read of the logits: the Gumbel-max kernel this replaces drew a random number
-    and took two logs per id (128 us a step at 128 rows x 152k ids on an H100, compute-bound)."""
+    """(n, V) logits (any float dtype) -> (n,) tokens drawn from softmax(logits / temperature) and their log-probs (n,);
+    seed (1,) int64 on the device, advanced by one a call (inside a CUDA graph too). Two kernels: max and exp-sum per
+    (row, block) pair (enough programs at any row count), then one program a row picks its block and id. About one read
+    of the logits, one exp per id (Gumbel-max: a random number and two logs per id, compute-bound)."""
     n, V = logits.shape
     blocks = triton.cdiv(V, BLOCK_V)
     part = torch.empty(n, blocks, 2, dtype=torch.float32, device=logits.device)
@@ -401,8 +393,7 @@ def _record_kernel(new_ptr, lp_ptr, rows_ptr, done_ptr, tok_ptr, pos_ptr, slot_p
 
 
 def record_triton(new, lp, sl, slot, ids, logps, keep, is_eos, pad):
-    """record_torch as one launch (_record_kernel); the slot state's tensors contiguous, as generate_groups makes
-    them"""
+    """record_torch as one launch (_record_kernel); slot state tensors contiguous, as generate_groups makes them"""
     n = new.shape[0]
     assert sl.tok.is_contiguous() and sl.pos.is_contiguous() and ids.is_contiguous() and keep.is_contiguous()
     _record_kernel[(1,)](new, lp, sl.rows, sl.done, sl.tok, sl.pos, slot, ids, logps, keep, is_eos, n, ids.shape[1],
@@ -410,7 +401,6 @@ def record_triton(new, lp, sl, slot, ids, logps, keep, is_eos, pad):
 
 
 def record(new, lp, sl, slot, ids, logps, keep, is_eos, pad):
-    """a step's bookkeeping: record_triton on CUDA (one launch where record_torch's 15 kernels of ~1.3 us each ran
-    one after another between the sampler and the next step), record_torch elsewhere"""
+    """a step's bookkeeping: record_triton on CUDA (one launch, not 15 of ~1.3 us each), record_torch elsewhere"""
     fn = record_triton if new.device.type == "cuda" else record_torch
     return fn(new, lp, sl, slot, ids, logps, keep, is_eos, pad)

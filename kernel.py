@@ -23,16 +23,13 @@ backward (per vocab chunk [v_lo, v_hi), bounded workspace ws (N, Vc) in the inpu
         dW[v_lo:v_hi]  = ws^T @ hidden        cuBLAS, one GEMM over all N tokens: fp32 accumulate, one rounding
         dH32          += ws @ weight[v_lo:v_hi]  cuBLAS addmm, bf16 in, fp32 accumulator (N, H) across chunks
     Vocab chunks (not row chunks) because N < V: the cross-chunk fp32 accumulator is then (N, H), not (V, H).
-    Extra memory = N*H*4 (dH32) + N*Vc*elt (ws) <= EXTRA_BYTES while N*H*4 leaves room (else see MIN_CHUNK),
-    plus (4, splits, N) fp32 in the forward.
+    Extra memory = N*H*4 (dH32) + N*Vc*elt (ws) <= EXTRA_BYTES while N*H*4 leaves room (else see MIN_CHUNK).
 
-Exact and reproducible: fp32 accumulation everywhere, no gradient filtering, no atomics, fixed block sizes (a
-table keyed on dtype, no autotuning), so a rerun gives the same bits. Offsets into hidden/weight/workspace are
-int64. Vocab columns past V in the last block are -inf (not 0, which would inflate lse: verl #2656).
+Exact and reproducible: fp32 accumulation everywhere, no gradient filtering, no atomics, fixed block sizes (CONFIGS),
+so a rerun gives the same bits. Offsets are int64. Vocab columns past V are -inf (0 would inflate lse: verl #2656).
 
 Runs on CUDA (bf16/fp16 on tensor cores, fp32 with input_precision="ieee", not tf32), or on CPU tensors under
-TRITON_INTERPRET=1, set before this module is imported (fp32/fp16 only: the interpreter's tl.dot is wrong on bf16,
-triton #11584); anywhere else fused_logprobs raises RuntimeError (logprobs.py's impl="chunked" runs there).
+TRITON_INTERPRET=1 set before import (fp32/fp16 only: tl.dot is wrong on bf16 there, triton #11584); else RuntimeError.
 """
 import os
 
@@ -42,8 +39,7 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once: triton.jit reads it at decoration time
 
-# block sizes, keyed on dtype (no autotune: reproducible bits and no startup cost). BLOCK_N rows x BLOCK_V vocab
-# logits tile, BLOCK_K along H.
+# block sizes by dtype (no autotune: reproducible bits, no startup cost): BLOCK_N x BLOCK_V logits tile, BLOCK_K along H
 # H100, bf16, forward at 16384 x 4096 x 128256 (ms): 128x256x64 w8 s3 26.3 | s4 29.0 | 256x128x64 w8 s3 31.3 |
 # 128x128x64 w8 s4 33.2 | w4 s4 35.8 | 128x256x128 w8 s2 36.9; GROUP_N 16: 26.3, 8: 29.4, 32: 30.6.
 CONFIGS = {
@@ -95,10 +91,9 @@ def _logits_tile(h_ptr, w_ptr, offs_n, offs_v, H, stride_hn, stride_hk, stride_w
     return acc
 
 
-# Triton compiles a kernel per "specialization" of its integer arguments (== 1, divisible by 16). The token count
-# changes from micro-batch to micro-batch, and each new class of it compiled both kernels again in the middle of a
-# training step (0.7-2.3 s on an H200). fused_logprobs pads N to a multiple of 16 (the class the kernels run fastest
-# in: 8% faster than the same N unspecialized), and the split counts that follow from N are not specialized.
+# Triton compiles a kernel per "specialization" of its integer arguments (== 1, divisible by 16): each new class of the
+# token count, which changes every micro-batch, would recompile both kernels mid-step (0.7-2.3 s on an H200). So
+# fused_logprobs pads N to a multiple of 16 (8% faster than unspecialized), and the split counts are not specialized.
 @triton.jit(do_not_specialize=["blocks_per_split", "num_splits"])
 def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, H, inv_temp, blocks_per_split, num_splits,
                 stride_hn, stride_hk, stride_wv, stride_wk, stride_pq, stride_ps,
@@ -318,14 +313,11 @@ class _FusedLogprobs(torch.autograd.Function):
 
 
 def fused_logprobs(hidden, weight, targets, temperature=1.0, entropy=True):
-    """
-    hidden (..., H), weight (V, H) of one dtype (float32/float16/bfloat16), targets (...) integer ids in [0, V).
+    """hidden (..., H), weight (V, H) of one dtype (float32/float16/bfloat16), targets (...) integer ids in [0, V).
     Returns float32 (logp, ent) shaped like targets; ent is None when entropy=False (no entropy work then).
-    Differentiable w.r.t. hidden and weight; logp and ent each take their own per-token upstream gradient.
-    Never materializes N x V: backward uses a (N, Vc) workspace and an (N, H) fp32 accumulator, under
-    EXTRA_BYTES when N*H*4 leaves room (all benchmark shapes). N is padded to a multiple of 16 (a copy of hidden:
-    one compile a run, see _fwd_kernel). Where it runs: the module docstring.
-    """
+    Differentiable w.r.t. hidden and weight; logp and ent each take their own per-token upstream gradient. Never
+    materializes N x V; N is padded to a multiple of 16 (a copy of hidden: see _fwd_kernel). Memory and where it runs:
+    the module docstring."""
     check_inputs(hidden, weight, targets, temperature)
     if hidden.device.type != "cuda" and not INTERPRET:
         raise RuntimeError(f"fused_logprobs runs Triton kernels: it needs CUDA tensors (got {hidden.device}) or "

@@ -1,25 +1,18 @@
 """
-Per-token log-probs and entropies of the LM head, three ways, one signature:
+Per-token log-probs and entropies of the LM head, three ways, one signature (kernel.fused_logprobs' arguments and
+results; their math at the top of kernel.py):
 
     token_logprobs(hidden, weight, targets, temperature=1.0, entropy=True, impl="fused") -> (logp, ent)
-
-hidden (..., H) and weight (V, H) (lm_head.weight) of one dtype, targets (...) integer ids; logp and ent are
-float32 shaped like targets (ent is None when entropy=False). Meaning: z = hidden @ weight.T / temperature,
-logp = z[target] - logsumexp(z), ent = logsumexp(z) - sum(softmax(z) * z).
 
     naive    full (N, V) logits, upcast to fp32 after the matmul, the way TRL does it: simple, O(N*V) memory
     chunked  torch, rows in chunks (chunk x V fp32 logits at a time), logits recomputed chunk by chunk in
              backward; dW is accumulated chunk by chunk in the weight's dtype with addmm_ (as Liger does), so
              bf16 dW takes one rounding per chunk. Runs anywhere torch runs: the CPU choice.
-    fused    kernel.fused_logprobs: Triton, logits never leave registers, fp32 accumulation throughout.
-             Needs CUDA, or CPU tensors with TRITON_INTERPRET=1 set before kernel.py is imported; otherwise it
-             raises RuntimeError telling you to pass impl="chunked" (no silent fallback).
+    fused    kernel.fused_logprobs: Triton, logits never leave registers, fp32 accumulation throughout. Where it
+             runs: kernel.py's docstring; elsewhere a RuntimeError says to pass impl="chunked" (no silent fallback).
 
-`python logprobs.py` benchmarks them (GPU: four LM-head shapes in bf16; CPU: one small fp32 shape): ms fwd+bwd
-(median), peak GiB beyond inputs and grads, relative error of logp/ent/dH/dW against a chunked fp32 reference
-(fp64 on CPU), and the four cuBLAS GEMMs of the same shape (the floor any recompute scheme pays) with each impl's
-ratio to it. Prints a table, then one JSON line. With liger-kernel installed it adds a `liger` row (its fused
-linear cross-entropy with reduction="none": logp only, no entropy, errors against the logp-only gradient).
+`python logprobs.py` benchmarks them (bf16 on a GPU, fp32 on a CPU) against a chunked fp32 (CPU: fp64) reference and the
+four cuBLAS GEMMs of each shape (the floor any recompute scheme pays), and liger_logprobs if installed.
 """
 import gc
 import json
@@ -119,9 +112,8 @@ IMPLS = {"naive": naive_logprobs, "chunked": chunked_logprobs, "fused": fused_lo
 
 
 def liger_logprobs(hidden, weight, targets, temperature=1.0):
-    """Liger's fused linear cross-entropy (pip install liger-kernel), reduction="none": per-token -logp with
-    per-token upstream grads. It has no entropy output, so its benchmark row does less work than ours (logp only).
-    A comparison row for `python logprobs.py`, not one of IMPLS."""
+    """Liger's fused linear cross-entropy (pip install liger-kernel), reduction="none": per-token -logp and grads. No
+    entropy output, so its `python logprobs.py` row does less work than ours (logp only); not one of IMPLS."""
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
     h = hidden / temperature if temperature != 1.0 else hidden  # z = (h / T) @ W^T
     loss = LigerFusedLinearCrossEntropyFunction.apply(h, weight, targets, None, None, -100, 0.0, 0.0, "none")[0]
@@ -200,11 +192,11 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
     weight = (torch.randn(V, H, device=dev, dtype=dtype) * (2.0 / H**0.5)).requires_grad_()  # logits std ~2
     targets = torch.randint(0, V, (N,), device=dev)
     g, g_ent = torch.randn(N, device=dev), torch.randn(N, device=dev)
-    ref = reference(hidden.detach(), weight.detach(), targets, T, g, g_ent,
-                    torch.float32 if dev == "cuda" else torch.float64)
+    ref_dtype = torch.float32 if dev == "cuda" else torch.float64
+    ref = reference(hidden.detach(), weight.detach(), targets, T, g, g_ent, ref_dtype)
     # the liger row has no entropy: its dH, dW are compared with the gradient of logp alone
     ref_logp_only = reference(hidden.detach(), weight.detach(), targets, T, g, torch.zeros_like(g_ent),
-                              torch.float32 if dev == "cuda" else torch.float64) if "liger" in impls else None
+                              ref_dtype) if "liger" in impls else None
     grad_bytes = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
 
     def floor():  # x @ W^T, the recompute, dz @ W, dz^T @ x: four cuBLAS GEMMs of this shape
@@ -284,7 +276,7 @@ def main():
           f"ms = median of {reps} fwd+bwd (entropy on, per-token grads for logp and ent); floor = 4 cuBLAS GEMMs; "
           f"peak = GiB beyond inputs and grads; err = ||x - ref|| / ||ref|| vs "
           f"{'fp32' if dev == 'cuda' else 'fp64'} reference")
-    try:  # the fused kernel users compare to; its row is logp only (no entropy output)
+    try:  # the fused kernel users compare to
         import liger_kernel  # noqa: F401
         impls.append("liger")
         print("(liger row: Liger's fused linear cross-entropy, reduction='none', logp only: no entropy work)")

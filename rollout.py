@@ -3,28 +3,22 @@ Rollouts: G completions per prompt, sampled at reasoning lengths near the memory
 
 A decode step of B*G rows must read every weight once plus every live row's K/V. Three things decide how close we get:
 
-1. Attention reads only what exists, once. Each prompt is prefilled once and its K/V stay as they are, (B, kvh, P, D),
-   shared by its G rows; each row's own tokens go into a completion cache (B*G, kvh, T, D). decode_kernels.py's
-   split-K Triton kernel walks the prompt's real columns and the row's written columns only (GQA inside the kernel,
-   no repeat), and applies RoPE to q and this step's key and writes them into the cache on the way.
+1. Attention reads only what exists, once. Each prompt is prefilled once, its K/V shared by its G rows; each row's own
+   tokens go into a completion cache, and decode_kernels.py's split-K kernel (its point 1) reads the real columns only.
 2. Finished rows stop costing. Rows live in "slots"; slot i decodes cache row rows[i]. Every CHECK_EVERY steps the
    host reads which rows are done; when the live ones fit a bucket of half the slots or fewer (powers of two), they
    are compacted into a smaller batch with its own captured graph. Finished rows never run attention (the kernel
    skips them), and after a compaction they skip the matmuls too. No K/V is copied: only the slot -> row map moves.
-3. Few launches. At decode, M = live rows (8-128) and a GEMM costs a few us whatever its size: decode_forward runs
-   the model's own modules but q|k|v and gate|up as one GEMM each (FUSE: 7 GEMMs a layer become 4), each step
-   (forward, sampling, bookkeeping) is one CUDA graph replay, sampling needs no host sync (decode_kernels.py), and
-   the host checks "done" every CHECK_EVERY steps only. From COMPILE_MIN_TOKENS new tokens on, the forward is
-   torch.compile'd in three parts shared by all layers (~10-30 s once a process at any depth), which fuses the ~30
-   small elementwise kernels a layer runs eagerly into a handful. A model it cannot trace decodes uncompiled.
+3. Few launches. At decode, M = live rows (8-128) and a GEMM costs a few us whatever its size: decode_forward runs the
+   model's own modules but q|k|v and gate|up as one GEMM each (FUSE: 7 GEMMs a layer become 4), each step (forward,
+   sampling, bookkeeping) is one CUDA graph replay, and sampling needs no host sync (decode_kernels.py). From
+   COMPILE_MIN_TOKENS new tokens on, the forward is torch.compile'd in three parts shared by all layers, which fuses the
+   ~30 small elementwise kernels a layer runs eagerly into a handful. A model it cannot trace decodes uncompiled.
 
 Other models (sliding window, other attention) fall back to model.generate with the same outputs; layers that are
 not llama/qwen2/qwen3-shaped run their own forward on our attention ("nanogrpo_decode"). Left out: paged K/V (a
 group's rows start together, so a dense cache per row wastes nothing until rows finish, and compaction handles that)
 and custom decode GEMMs (8-row steps 14-22% faster on an H200 only: BENCHMARKS, "Tried and not kept").
-
-    generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
-                    top_k=0, eos_token_id=None, pad_token_id=None, compile=True) -> (completion_ids, completion_mask)
 """
 import contextlib
 import sys
@@ -49,8 +43,7 @@ CHECK_EVERY = 8  # decode steps between host reads of "which rows are done" (a s
 MIN_BUCKET = 8  # compaction never goes below this many slots
 COMPACT_MIN_STEPS = 32  # compact only if at least this many steps may remain (a capture costs ~2 steps)
 ATTENTION = "auto"  # decode attention: triton | torch | auto (triton on CUDA, torch elsewhere)
-COMPILE_MIN_TOKENS = 128  # compile=True compiles the decode forward from this many new tokens on: the compile costs
-#                          ~10-30 s once a process and a step saves ~2 ms, so a 64-token default run never repays it
+COMPILE_MIN_TOKENS = 128  # the compile costs ~10-30 s once a process, a step saves ~2 ms: 64 tokens never repay it
 COMPILE_BACKEND = "inductor"  # on CUDA; on the CPU only another backend compiles (tests: aot_eager, no C++ compiler)
 FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); False: the model's own forward
 LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl, decode path (tests, benchmarks)
@@ -74,8 +67,7 @@ AttentionInterface.register("nanogrpo_decode", decode_attention)
 
 @contextlib.contextmanager
 def decode_step(model, st):
-    """inside, the model's attention is "nanogrpo_decode" on state st (HF reads config._attn_implementation at
-    every forward)"""
+    """inside, the model's attention is "nanogrpo_decode" on state st (HF reads config._attn_implementation per call)"""
     impl, model.config._attn_implementation = model.config._attn_implementation, "nanogrpo_decode"
     DECODE_STATE.append(st)
     try:
@@ -158,12 +150,12 @@ def model_forward(model, tok, pos):
 
 
 def fuse_projections(model):
-    """per layer (w_qkv, b_qkv, w_gate_up, b_gate_up, w_o, b_o, w_down, b_down) for decode_forward: q/k/v and
-    gate/up weights concatenated along the output dim (a cuBLAS call at decode costs 4-7 us whatever its size, so
-    k_proj and v_proj cost as much as q_proj), o_proj's and down_proj's as they are; a copy per call, as weights
-    change every step. A LoRA projection is folded in, W + (alpha/r) B A (lora.effective_weight), so a decode step
-    costs what it costs without LoRA. None if the layers are not the llama/qwen2/qwen3 shape, or a projection is
-    wrapped, quantized or re-implemented (more than x @ W^T + b): such a model keeps its own forward."""
+    """per layer (w_qkv, b_qkv, w_gate_up, b_gate_up, w_o, b_o, w_down, b_down) for decode_forward: q/k/v and gate/up
+    weights concatenated along the output dim (one GEMM each: the module docstring's point 3), o_proj's and down_proj's
+    as they are; a copy per call, as weights change every step. A LoRA projection is folded in, W + (alpha/r) B A
+    (lora.effective_weight), so a decode step costs what it costs without LoRA. None if the layers are not the
+    llama/qwen2/qwen3 shape, or a projection is wrapped, quantized or re-implemented (more than x @ W^T + b): such a
+    model keeps its own forward."""
     cat_bias = lambda wbs: None if all(b is None for _, b in wbs) else torch.cat(  # noqa: E731
         [b if b is not None else w.new_zeros(w.shape[0]) for w, b in wbs])
     fused = []
@@ -183,8 +175,7 @@ def fuse_projections(model):
 
 
 def project(x, w, b, norm=None, act=None, residual=None):
-    """one decode GEMM with its neighbours: residual + act(norm(x) @ W^T + b), act(y) = act_fn(gate) * up on W's
-    two halves [gate; up]"""
+    """one decode GEMM and its neighbours: residual + act(norm(x) @ W^T + b), act = act_fn(gate) * up, W = [gate; up]"""
     y = F.linear(x if norm is None else norm(x), w, b)
     if act is not None:
         gate, up = y.chunk(2, -1)
@@ -193,9 +184,8 @@ def project(x, w, b, norm=None, act=None, residual=None):
 
 
 def rope_in_attention(model):
-    """whether the attention op may apply the model's RoPE: its own apply_rotary_pos_emb is rope_torch's formula
-    (decode_kernels.rope_matches: rotate-half on whole heads, as llama/qwen2/qwen3). Then decode_forward hands the
-    op (cos, sin) and q|k|v unrotated, and a layer runs no RoPE kernel of its own"""
+    """whether the model's own apply_rotary_pos_emb is rope_torch's formula (decode_kernels.rope_matches): then
+    decode_forward hands the attention op (cos, sin) and q|k|v unrotated, and a layer runs no RoPE kernel of its own"""
     attn = model.model.layers[0].self_attn
     return decode_kernels.rope_matches(getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None),
                                        attn.head_dim)
@@ -248,11 +238,10 @@ DECODE_PARTS = (decode_first, decode_between, decode_last)
 def decode_forward(model, fused, st, tok, pos, compiled=False):
     """model_forward for one decode step, (n, V) logits: the model's own modules in the order its forward calls them,
     but q|k|v and gate|up as one GEMM each on fuse_projections' weights, and the attention as the op
-    nanogrpo::decode_attention on the decode state st (caches, slot -> row map, column). In parts cut at the
-    attention ops, which no compiler fuses across anyway: decode_first, then per layer the attention and
-    decode_between (o_proj and MLP with the next layer's norm, q|k|v and RoPE, so a residual add and the next norm
-    still fuse), decode_last. compiled: each part one torch.compile graph, the same function for every layer, so
-    three compiles serve any depth (26 s at the 28-layer 1.5B shape against 148 s as one graph, a step as fast)."""
+    nanogrpo::decode_attention on the decode state st. In parts cut at the attention ops, which no compiler fuses across
+    anyway: decode_first, then per layer the attention and decode_between (so a residual add and the next norm still
+    fuse), decode_last. compiled: each part one torch.compile graph, the same function for every layer, so three
+    compiles serve any depth (26 s at the 28-layer 1.5B shape against 148 s as one graph, a step as fast)."""
     call = run_compiled if compiled else (lambda fn, *args: fn(*args))
     layers, L, rope = model.model.layers, len(fused), st.rope_attn
     h, cos, sin, q, k, v = call(decode_first, model, layers[0], fused[0], rope, tok, pos)
@@ -270,11 +259,10 @@ UNCOMPILABLE = weakref.WeakKeyDictionary()  # model -> why torch.compile failed 
 
 
 def run_compiled(fn, *args):
-    """fn(*args) (model_forward, or one of decode_forward's parts) through torch.compile, compiled once per process,
-    with dynamic shapes (the slot count changes from bucket to bucket) and without duck sizing, which would tie the
-    slot count to a model dimension of the same size at trace time and recompile when a bucket breaks the tie (5-8
-    s). Its Triton kernels launch with programmatic dependent launch where torch has it (Hopper), as
-    decode_kernels' do: each overlaps its launch with the kernel before (-4 to -10% a step on an H200)."""
+    """fn(*args) (model_forward, or one of decode_forward's parts) through torch.compile, with dynamic shapes (the
+    slot count changes from bucket to bucket) and without duck sizing, which would tie the slot count to a model
+    dimension of the same size at trace time and recompile when a bucket breaks the tie (5-8 s). Its Triton kernels
+    use programmatic dependent launch where torch has it, like decode_kernels.pdl_launch (-4 to -10% a step, H200)."""
     from torch._inductor import config as inductor_config
     from torch.fx.experimental import _config as fx_config  # private, but in torch 2.1 through 2.13
     key = (fn, COMPILE_BACKEND)
