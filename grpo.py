@@ -6,9 +6,8 @@ nanoGRPO: GRPO on one GPU, read top to bottom.
     torchrun --nproc_per_node=2 grpo.py              # 2 processes (FSDP2), each a device and half of each step's groups
 
 One step = one generation batch (prompts_per_step x group_size completions, sampled once; with dynamic_sampling,
-resampled until its groups carry signal) followed by num_iterations x steps_per_generation optimizer steps over it
-(batching.py). Sections: torchrun (FSDP2), prompts, the loop (the model's dtype first), logging. The knobs and their
-checks are config.py's, what is on disk (model directories, out_dir, resume) checkpoint.py's, the tasks tasks.py's.
+resampled until its groups carry signal), then num_iterations x steps_per_generation optimizer steps over it
+(batching.py). The knobs and their checks: config.py; what is on disk: checkpoint.py; the tasks: tasks.py.
 """
 import json
 import math
@@ -31,21 +30,19 @@ from tasks import (TASKS, check_training_pool, load_task, make_reward, overlong_
 # ------------------------------------------------------------------------------------------------------------------
 # more than one process: `torchrun --nproc_per_node=N grpo.py ...`. Each rank generates and scores its own
 # prompts_per_step / N whole groups (advantages stay local) from its own RNG stream (seed + rank); the gradients sum
-# over the ranks (dist.py). FSDP2 shards the model (shard_model; --fsdp=False: a full replica per rank, gradients
-# all-reduced). The held-out eval is sharded; rank 0 alone prints, logs and saves.
+# over the ranks (dist.py; FSDP2, --fsdp=False: replicas). The eval is sharded; rank 0 alone prints, logs, saves.
 # ------------------------------------------------------------------------------------------------------------------
 def shard_model(model, dt, dev):
     """FSDP2: fully_shard each decoder layer, then the root (embeddings, final norm, LM head: tied ones stay one
-    parameter). The float32 weights, their gradients and AdamW's moments (16 bytes a parameter) are sharded over the
-    ranks; forward and backward run in dt on gathered weights (MixedPrecisionPolicy; gradients reduce-scattered in
-    float32): the one-process path's float32 masters beside dt weights. A gathered unit stays gathered from its
-    first forward to the end of the mini-batch's backward (batching.backward reshards): kv_reuse calls each layer
-    twice (prompt, then completions), and the prompt pass's backward, started by the completions' K/V gradients,
-    runs after that layer's post-backward hook of the completion pass (which reshards by default), and for the last
-    layer without any pre-backward hook (the prompt pass's output gets no gradient), so it would read freed weights.
-    That is ZeRO-2 for the dt weights. Each backward reduce-scatters with a SUM (the loss weights hold the global
-    normalizers). The loss runs as a forward method of the root (batching.logprobs_forward), so the LM-head weight
-    it reads is the gathered one and its gradient is reduced like every other."""
+    parameter). The float32 weights, gradients and AdamW moments are sharded; forward and backward run in dt on
+    gathered weights (MixedPrecisionPolicy), gradients reduce-scattered in float32 as a SUM (the loss weights hold the
+    global normalizers). A unit stays gathered from its first forward to the end of the mini-batch's backward
+    (batching.backward reshards; ZeRO-2 for the dt weights): kv_reuse calls each layer twice (prompt, then
+    completions), and the prompt pass's backward, started by the completions' K/V gradients, runs after that layer's
+    post-backward hook of the completion pass (which reshards by default), and for the last layer without any
+    pre-backward hook (the prompt pass's output gets no gradient), so it would read freed weights. The loss is a
+    forward method of the root (batching.logprobs_forward): the LM-head weight it reads is the gathered one, its
+    gradient reduced like every other."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from batching import logprobs_forward
@@ -107,12 +104,11 @@ def cast_parameters(model, dt):
 
 
 def make_optimizer(policy, cfg, dt):
-    """AdamW over float32 weights. For a bf16 run the model itself holds dt copies (generation, forward and
-    backward all run in dt) and the optimizer holds float32 masters, rounded into the model after each step:
-    stepping bf16 weights directly drops every update below 2^-8 of the weight, and an lr=1e-5 AdamW update is
-    ~1e-3 of a typical weight. Under FSDP2 the sharded parameters are the float32 masters themselves (shard_model's
-    MixedPrecisionPolicy gathers them in dt). With LoRA only the float32 adapters train: the frozen base is cast to
-    dt and has no master (a 7B model's base is 15 GB in bf16, where masters and AdamW would add 90 GB). Returns
+    """AdamW over float32 weights. A bf16 run's model holds dt copies (generation, forward and backward all run in
+    dt) and the optimizer float32 masters, rounded into the model after each step: stepping bf16 weights directly
+    drops every update below 2^-8 of the weight, and an lr=1e-5 AdamW update is ~1e-3 of a typical weight. Under
+    FSDP2 the sharded parameters are the masters (shard_model). With LoRA only the float32 adapters train: the frozen
+    base is cast to dt, with no master (a 7B base is 15 GB in bf16; masters and AdamW would add 90 GB). Returns
     (optimizer, masters or None)."""
     master, sharded = None, bool(fsdp_modules(policy))
     trainable = [p for p in policy.parameters() if p.requires_grad]
@@ -132,16 +128,13 @@ def make_optimizer(policy, cfg, dt):
 @torch.no_grad()
 def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
     """held-out greedy accuracy and format rate (temperature 0, one completion per prompt); with eval_pass_k = k > 0
-    also pass@k: the fraction of prompts with at least one correct answer among k samples at eval_temperature
-    (n = k samples, so the estimator 1 - C(n-c, k)/C(n, k) of Chen et al. is just "any correct"). Under torchrun
-    every rank calls it on its own share of the prompts and the counts are summed. Returns a dict; eval_samples:
-    the first cfg.eval_samples greedy completions (rank 0's), what the numbers alone do not show (e.g. which
-    questions are never answered right, and how they are answered)."""
+    also pass@k: the fraction of prompts with at least one correct answer among k samples at eval_temperature (n = k
+    samples, so the estimator 1 - C(n-c, k)/C(n, k) of Chen et al. is just "any correct"). Each rank scores its share of
+    the prompts, the counts summed. Returns a dict; eval_samples: the first greedy completions (rank 0's)."""
     from batching import rollout
     model.eval()
     correct = fmt = passed = 0
-    samples = []
-    k = cfg.eval_pass_k
+    samples, k = [], cfg.eval_pass_k
     mine = eval_set[rank()::world_size()]  # (all of it in one process)
     batch = max(1, batch // max(k, 1))  # prompts per chunk: k samples each
     chunks = max(1, math.ceil(len(mine) / batch))
@@ -172,15 +165,12 @@ def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
 
 
 def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_questions, dev):
-    """one step's prompts -> groups of completions -> rewards (the task's rewards, weighted, plus the soft overlong
-    penalty). With dynamic_sampling (DAPO) a group whose G rewards are all equal carries no gradient, so it is
-    dropped and prompts_per_step more prompts are drawn, at most max_sampling_tries draws in all, until
-    prompts_per_step informative groups are there. Short of that the step trains on the informative groups alone,
-    as DAPO and verl do (every trained group informative): filling the batch with uniform groups instead would add
-    their tokens to the dapo/bnpo normalizers and dilute the few groups that carry signal (at 1 informative group
-    in 32, a 32x smaller gradient). Uniform groups are added only up to a whole number of steps_per_generation
-    mini-batches (at least one group). Returns (buffer, rewards (B*G,), stats over EVERY sampled completion of the
-    step; `groups` counts the trained ones)."""
+    """one step's prompts -> groups of completions -> rewards (the task's, weighted, plus the soft overlong penalty).
+    With dynamic_sampling (DAPO) a group whose G rewards are all equal carries no gradient: it is dropped and more
+    prompts are drawn (at most max_sampling_tries draws) until prompts_per_step groups carry signal. Short of that,
+    the step trains on the informative groups alone, as DAPO and verl do: uniform groups would add their tokens to
+    the dapo/bnpo normalizers and dilute the few with signal (1 in 32: a 32x smaller gradient); they only round up
+    to whole steps_per_generation mini-batches. Returns (buffer, rewards (B*G,), stats of EVERY sampled completion)."""
     from batching import concat_groups, rollout, select_groups
     n, G = cfg.prompts_per_step // world_size(), cfg.group_size  # this rank's share of the step's groups
     kept, spare, draws, sampled = [], [], [], []  # kept / spare: (draw, group); sampled: (total, correct, parts, pen)
@@ -196,10 +186,9 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
         except torch.cuda.OutOfMemoryError as e:
             raise torch.cuda.OutOfMemoryError("out of GPU memory while generating: lower --prompts_per_step, "
                                               "--group_size or --max_completion_len") from e
-        lens = buf["completion_mask"].sum(1).tolist()
         scored = score(reward_fn, tokenizer, buf, batch, G)[1]  # rows prompt-major (b*G + g)
         pens = [overlong_penalty(L, cfg.max_completion_len, cfg.soft_punish_cache, cfg.overlong_penalty_factor)
-                for L in lens]
+                for L in buf["completion_mask"].sum(1).tolist()]
         r = torch.tensor([s[0] + p for s, p in zip(scored, pens)], dtype=torch.float32, device=dev)  # (B*G,)
         sampled += [(*s, p) for s, p in zip(scored, pens)]
         draws.append((buf, r))
@@ -213,10 +202,8 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
     K = cfg.steps_per_generation
     chosen = kept + spare[:max(K, -(-len(kept) // K) * K) - len(kept)]  # (n when nothing was dropped)
     picks = [(d, r, idx) for t, (d, r) in enumerate(draws) if (idx := [b for tt, b in chosen if tt == t])]
-    if chosen == [(0, b) for b in range(n)]:  # the first draw, whole and in order
-        buf = draws[0][0]
-    else:
-        buf = concat_groups([select_groups(d, idx) for d, _, idx in picks], tokenizer.pad_token_id)
+    buf = draws[0][0] if chosen == [(0, b) for b in range(n)] else concat_groups(  # (the first draw, whole, in order)
+        [select_groups(d, idx) for d, _, idx in picks], tokenizer.pad_token_id)
     rewards = torch.cat([r.view(n, G)[idx].view(-1) for _, r, idx in picks])  # (B*G,) in buf's order
     # every sampled completion's reward, as trained on, of every rank
     parts = all_ranks((torch.cat([r for _, r in draws]).tolist(), sampled, n_flat, len(draws), len(chosen)))
@@ -313,15 +300,13 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     reward_fn, reward_count = make_reward(reward_fn, cfg.reward, cfg.reward_weights)
     eval_questions = {q for q, _ in eval_set}
     log_path = os.path.join(cfg.out_dir, "log.jsonl")
-    step = 0
+    step, records = 0, []
     if state:
         step = checkpoint.restore_trainer_state(state, optimizer, r, ckpt)
         del state
-        # steps logged after the checkpoint are dropped (redone)
-        records = checkpoint.read_log(log_path, step) if r == 0 else []
+        records = checkpoint.read_log(log_path, step) if r == 0 else []  # (later steps are redone)
         print(f"resumed from {ckpt} at step {step}")
     else:
-        records = []
         with gathered(policy):
             ev = evaluate(policy, tokenizer, eval_set, reward_fn, cfg, dev)
         records.append(dict(step=0, **ev, minutes=(time.time() - t_start) / 60))
@@ -350,8 +335,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
             buf, rewards, sample_stats = sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn,
                                                      eval_questions, dev)
         t1 = time.time()
-        # 3. advantages, mini-batches, loss weights, old/ref log-probs; then num_iterations passes of
-        # steps_per_generation optimizer steps over the same buffer
+        # 3. advantages, mini-batches, loss weights, old/ref log-probs; num_iterations x steps_per_generation updates
         steps, frac_zero_std = prepare_buffer(policy, ref_model, buf, rewards, cfg)
         policy.train()
         updates = [update_step(policy, optimizer, buf, mbs, cfg, master)

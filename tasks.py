@@ -1,15 +1,12 @@
 """
 nanoGRPO's tasks: make_prompts(n, seed, difficulty) -> [(question, example)], reward(completion, example) ->
-(reward, correct); plain functions: swap TASKS[name] for your own. The example is the target for arithmetic /
-countdown, the row (a dict) for a dataset task (--task=jsonl:PATH or hf:NAME[:config]). Then what the trainer does
-with any task: the held-out split, the training prompt stream, reward plug-ins (--reward, weighted: per completion or
-TRL's batched form) and their guard, DAPO's soft overlong penalty. Imports nothing from the project.
+(reward, correct); plain functions: swap TASKS[name] for your own (the example: README). Imports nothing of the project.
 
-The answer is the last "The answer is X": correct 1.0, the format with a wrong X 0.1, else 0. Anywhere, not only at
-the end: the default run's policy then repeats its answer block to max_completion_len, but with the answer read only
-where the reply ends it dropped the equation instead and held-out accuracy stayed at 0.70 (README). This format is
-one SmolLM2-135M-Instruct half-follows (greedy, 1-digit arithmetic, before ARITHMETIC_FORMAT's example: format 75%,
-correct 19%); it never wrote <answer>X</answer> even when told to, so a tag format gives GRPO no signal.
+The answer is the last "The answer is X": correct 1.0, the format with a wrong X 0.1, else 0. Read anywhere, not only at
+the end: the policy then repeats its answer block to max_completion_len, but read only at the reply's end it dropped the
+equation instead (held-out accuracy stayed at 0.70). SmolLM2-135M-Instruct half-follows this format (greedy, 1-digit
+arithmetic, before ARITHMETIC_FORMAT's example: format 75%, correct 19%); it never wrote <answer>X</answer> even when
+told to, so a tag format gives GRPO no signal.
 
 A reward runs on whatever the policy writes, so it must be safe on any string: numbers are read with parse_int
 (bounded: int() of a 4,300+ digit string raises), expressions with safe_eval (never Python's eval: 60 unary
@@ -79,11 +76,10 @@ def safe_eval(expr):
 
 
 # The format line asks for the equation before the answer and shows a negative one. Asked only for "The answer is
-# NUMBER.", SmolLM2-135M-Instruct wrote no negative number: 0 right of 256 samples (T=0.7) on questions with a
-# negative answer (23% of 1-digit ones), so those never carried gradient and runs sat under 0.77; a shown "-3" is only
-# copied. The runs that broke through wrote the equation first ("1 - 6 = -5. The answer is -5.": the operands right
-# before the digit to produce); answer-first ones stayed stuck. With this line held-out greedy >= 0.90 came within 5
-# minutes in 9 of 10 seeds of the default config (H200), against 2 of 28 runs with an example-only line (README).
+# NUMBER.", SmolLM2-135M-Instruct wrote no negative number (0 of 256 samples right on the 23% of 1-digit questions with
+# a negative answer: no gradient there, runs sat under 0.77); a shown "-3" is only copied. Runs that broke through wrote
+# the equation first ("1 - 6 = -5. The answer is -5.": the operands right before the digit to produce). With this line
+# held-out greedy hit 0.90 in under 5 minutes in 9 of 10 default seeds, against 2 of 28 runs with an example-only line.
 ARITHMETIC_FORMAT = ("Write the equation with its result, then end your reply with: The answer is NUMBER. "
                      "For example, for 2 - 5: 2 - 5 = -3. The answer is -3.")
 
@@ -102,19 +98,16 @@ def arithmetic_prompts(n, seed, difficulty):
 
 def arithmetic_reward(completion, target):
     found = NUMBER_RE.findall(completion)
-    if not found:
-        return 0.0, False
-    answer = parse_int(found[-1])
+    answer = parse_int(found[-1]) if found else None
     if answer is None:
-        return 0.0, False  # not a number we read (over MAX_DIGITS digits): no format credit either
+        return 0.0, False  # no answer, or not a number we read (over MAX_DIGITS digits): no format credit either
     correct = answer == target
     return (1.0 if correct else 0.1), correct
 
 
 def countdown_prompts(n, seed, difficulty):
-    """difficulty + 1 numbers in 1..20 and a target reachable with + - * (each number used once; built so it is).
-    A draw is kept when its target lands in 1..200; each extra number makes that rarer (77% of draws at
-    difficulty 1, 7% at 10, 0.005% at 30, where this loop used to run for hours), so the tries are bounded."""
+    """difficulty + 1 numbers in 1..20 and a target reachable with + - * (each number used once; built so it is). A draw
+    is kept if its target is in 1..200, rarer with each number (77% at difficulty 1, 7% at 10, 0.005% at 30)."""
     rng = random.Random(seed)
     out, tries = [], 0
     while len(out) < n:
@@ -140,12 +133,10 @@ def countdown_prompts(n, seed, difficulty):
 def countdown_reward(completion, target):
     nums, value = target
     found = EXPR_RE.findall(completion)
-    if not found:
-        return 0.0, False
-    expr = found[-1].strip()
-    got = safe_eval(expr)
+    expr = found[-1].strip() if found else ""
+    got = safe_eval(expr) if found else None
     if got is None:
-        return 0.0, False  # no expression we evaluate (syntax, **, past the limits): no format credit either
+        return 0.0, False  # no answer, or none we evaluate (syntax, **, past the limits): no format credit either
     used = tuple(sorted(parse_int(x) for x in re.findall(r"\d+", expr)))  # (short: safe_eval took every literal)
     correct = used == nums and got == value
     return (1.0 if correct else 0.1), correct
@@ -314,9 +305,8 @@ def check_training_pool(make_prompts, seed, difficulty, exclude):
 
 
 def train_prompts(make_prompts, n, seed, difficulty, exclude):
-    """the n questions of one step: the first n outside the held-out set in make_prompts(4n, seed), then in more
-    rounds (one draw ran dry with prompts_per_step=1 on 1-digit arithmetic, half of it held out). A function of
-    (seed, step) alone: a resumed run draws what an unbroken one would; check_training_pool bounds the rounds."""
+    """the n questions of one step: the first n outside the held-out set in make_prompts(4n, seed), then in more rounds
+    (one can run dry); a function of the seed alone (step_seed); check_training_pool bounds the rounds."""
     out = []
     for r in range(1000):
         out += [p for p in make_prompts(4 * n, seed if r == 0 else seed * 1_000_003 + r, difficulty)
@@ -375,9 +365,8 @@ def parse_weights(spec, n):
 
 
 def make_reward(task_reward, spec="", weights=""):
-    """(reward_fn(questions, completions, examples, completion_ids) -> [(total, correct, [each reward])], counts): a
-    batch a call. spec: "" (the task's own), or comma-separated "task" / module:function / file.py:function; total =
-    sum_i w_i r_i over the rewards that scored the row (TRL's nansum); `correct`: the first reward's that has one."""
+    """(reward_fn(questions, completions, examples, completion_ids) -> [(total, correct, [each reward])], counts) of
+    --reward / --reward_weights: total = sum_i w_i r_i over the rewards that scored the row (TRL's nansum)."""
     specs = [s.strip() for s in spec.split(",")] if spec else ["task"]
     w = parse_weights(weights, len(specs))
     counts = {"errors": 0, "metrics": {}, "state": SimpleNamespace(global_step=0, max_steps=0)}
@@ -402,10 +391,9 @@ def overlong_penalty(length, max_completion_len, soft_punish_cache, factor=1.0):
 
 
 def guard_reward(reward_fn, counts):
-    """reward_fn in either form (README) as safe(questions, completions, examples, completion_ids) -> [(r, correct)];
-    TRL's batched form, first parameter prompts / completions / completion_ids / **kwargs, its None a NaN. A failed
-    call (or a non-finite reward) scores (0.0, False) for each of its rows, counted in counts["errors"], the first
-    traceback printed: one odd completion should cost that completion, not a week-long run."""
+    """reward_fn in either form (README) as safe(questions, completions, examples, completion_ids) -> [(r, correct)],
+    a batched form's None a NaN. A failed call (or a non-finite reward) scores (0.0, False) for each of its rows,
+    counted in counts["errors"], the first traceback printed: one odd completion costs that completion, not the run."""
     sig = inspect.signature(reward_fn).parameters if callable(reward_fn) else {}  # (the config check's None)
     params = ["**" if p.kind is p.VAR_KEYWORD else name for name, p in sig.items()]
     batched = params[:1] in (["prompts"], ["completions"], ["completion_ids"], ["**"])
