@@ -1,25 +1,18 @@
 """
 The GPU end-to-end check: grpo.py as a researcher runs it, a few real steps per cell, on random-weight local HF
-directories built from configs (no hub). CI has no GPU, so this is what keeps the GPU paths alive: run it on the
-GPU before a change to rollout, batching, kv_reuse or grpo lands, and put its table in the change's note.
+directories built from configs (no hub). CI has no GPU: run it on the GPU before a change to rollout, batching,
+kv_reuse or grpo lands, and put its table in the change's note.
 
-    python bench_e2e.py                  # every cell: one row each (ok/error, gen s, update s, peak GiB, decode path)
-    python bench_e2e.py qwen3 gc         # only the cells whose name contains every word given
-    python bench_e2e.py repro -compile   # "-word": and not this one
-    python bench_e2e.py --list           # the cells and their flags
+    python bench_e2e.py [WORD ...] [-WORD ...]   # the cells whose name has every WORD and no -WORD; --list names them
     python bench_e2e.py --model qwen2.5-7b DIR   # just build a random-weight model directory (bench_fsdp.sh 7b)
 
-Each cell is a fresh process (torchrun for the 2-GPU cells, skipped with fewer GPUs): `python bench_e2e.py --run-cell
---key=value ...` is grpo.train with those flags and, unless BENCH_SAVE=1, no checkpoint written (a cell measures steps;
-the CPU suite checks the checkpoints). gen and update are the last step's seconds (step 1 also compiles), gnorm its
-gradient norm (a reward with spread: digit_share); "decode" is the path the last step's rollout took: compiled
-(torch.compile + CUDA graphs) | graph (CUDA graphs, eager forward: under rollout.COMPILE_MIN_TOKENS or --compile=False)
-| fallback (torch.compile failed on the model: graphs, uncompiled) | eager | generate (model.generate). Logs of every
-cell go to BENCH_DIR (/tmp/nanogrpo_e2e).
-
-The families keep what makes them differ (Qwen2.5: GQA 6, q/k/v bias, tied; Llama-3.2: head_dim 64, GQA 4, llama3
-RoPE scaling; Qwen3: q/k RMSNorm, head_dim 128) at their real widths and vocabularies, with 4 layers (the "/4L"
-cells) so that ~30 cells take minutes; the repro cells are the whole 28-layer Qwen2.5-1.5B.
+Each cell is a fresh process (torchrun for the 2-GPU cells, skipped with fewer GPUs), `--run-cell --key=value ...`:
+grpo.train with no checkpoint written unless BENCH_SAVE=1. gen and update are the last step's seconds (step 1 also
+compiles), gnorm its gradient norm (a reward with spread: digit_share); "decode" is the last rollout's path:
+compiled | graph (CUDA graphs, eager forward) | fallback (torch.compile failed: graphs, uncompiled) | eager |
+generate (model.generate). Logs go to BENCH_DIR (/tmp/nanogrpo_e2e). The families keep what makes them differ
+(Qwen2.5: GQA 6, q/k/v bias, tied; Llama-3.2: head_dim 64, GQA 4, llama3 RoPE scaling; Qwen3: q/k RMSNorm) at their
+real widths and vocabularies, with 4 layers ("/4L") so that ~30 cells take minutes; repro is the 28-layer 1.5B.
 """
 import json
 import math

@@ -210,10 +210,9 @@ def bench_rows(shapes=("0.5B", "1.5B"), row_counts=(128, 64, 32, 16, 8), P=64, T
 
 
 def bench_profile(shape="1.5B", row_counts=(128, 32, 8), P=64, T=512):
-    """`python bench_rollout.py profile [SHAPE]`: where a decode step's time goes, kernel by kernel (torch.profiler over
-    one whole generate_groups call after a warm-up call; CUDA graphs and the compiled forward as in training; no EOS,
-    so every row is live at every step). Per step: wall ms, the summed kernel time (the rest is the gaps between
-    kernels), the kernel count, and the kernels that take the most time, against the roofline's weight + K/V bytes."""
+    """`python bench_rollout.py profile [SHAPE]`: a decode step kernel by kernel (torch.profiler over a generate_groups
+    call after a warm-up; graphs and compile as in training; no EOS): wall ms, summed kernel time (the rest: gaps),
+    launches, and the kernels that take the most time, against the roofline's weight + K/V bytes."""
     import time
     from torch.profiler import ProfilerActivity, profile
     shape = shape if CUDA else "tiny"
@@ -254,10 +253,9 @@ def bench_profile(shape="1.5B", row_counts=(128, 32, 8), P=64, T=512):
 
 
 def bench_lora(path=None, r=16, B=8, G=8, P=64, T=1024):
-    """`python bench_rollout.py lora [MODEL_DIR]`: generate_groups' decode on a model (a local HF directory in bf16,
-    else the random 1.5B shape) and on the same model with LoRA adapters in (lora.add_lora, r=16 on the attention
-    and MLP projections, B drawn at random so that the fold changes the weights). The decode folds each adapter into
-    the weights it fuses, once per rollout (rollout.fuse_projections), so both should cost the same a token."""
+    """`python bench_rollout.py lora [MODEL_DIR]`: the decode on a model (a bf16 HF directory, else the random 1.5B)
+    with and without LoRA adapters (r=16, B random so the fold changes the weights): the decode folds each adapter
+    into its weights once per rollout (rollout.fuse_projections), so both should cost the same a token."""
     import time
     import lora
     from transformers import AutoModelForCausalLM

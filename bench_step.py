@@ -14,20 +14,17 @@ ways), optimizer (clip + AdamW), backward (the rest of update_step); idle = its 
 import json
 import os
 import sys
-import time
 
 import bench_e2e
 
-GEN = ["--max_completion_len=1024", "--gradient_checkpointing=True"]
-CELLS = {  # name: (model (bench_e2e family), grpo flags)
-    "1.5B full 16x8x1024 gc": ("qwen2.5-1.5b", ["--prompts_per_step=16", "--group_size=8"] + GEN),
-    "1.5B full 16x8x1024 mbt=16384": ("qwen2.5-1.5b", ["--prompts_per_step=16", "--group_size=8",
-                                                       "--max_completion_len=1024", "--micro_batch_tokens=16384"]),
-    "7B lora 8x8x1024 gc": ("qwen2.5-7b", ["--prompts_per_step=8", "--group_size=8", "--lora_r=16"] + GEN),
-    "1.5B full 8x16x4096 gc": ("qwen2.5-1.5b", ["--prompts_per_step=8", "--group_size=16",
-                                                "--max_completion_len=4096", "--gradient_checkpointing=True"]),
-    "135M default 32x16x64": ("smollm2-135m", ["--prompts_per_step=32", "--group_size=16",  # the default run's
-                                              "--max_completion_len=64"]),
+GC = "--gradient_checkpointing=True"
+cell = lambda B, G, C, *more: [f"--prompts_per_step={B}", f"--group_size={G}", f"--max_completion_len={C}", *more]
+CELLS = {  # name: (model (a bench_e2e family), grpo flags)
+    "1.5B full 16x8x1024 gc": ("qwen2.5-1.5b", cell(16, 8, 1024, GC)),
+    "1.5B full 16x8x1024 mbt=16384": ("qwen2.5-1.5b", cell(16, 8, 1024, "--micro_batch_tokens=16384")),
+    "7B lora 8x8x1024 gc": ("qwen2.5-7b", cell(8, 8, 1024, GC, "--lora_r=16")),
+    "1.5B full 8x16x4096 gc": ("qwen2.5-1.5b", cell(8, 16, 4096, GC)),
+    "135M default 32x16x64": ("smollm2-135m", cell(32, 16, 64)),  # the default run's shape
 }
 PHASES = ("lm_head", "prompt", "optimizer", "forward", "update")  # innermost first: a kernel counts in the first
 
@@ -49,8 +46,7 @@ def gpu_phases(trace):
         if "update" in names:
             out[next(n for n in PHASES if n in names).replace("update", "backward")] += k["dur"] / 1e6
             busy.append((k["ts"], k["ts"] + k["dur"]))
-    updates = [(a, b) for a, b, n in ranges if n == "update"]
-    wall, end = sum(b - a for a, b in updates) / 1e6, 0.0
+    wall, end = sum(b - a for a, b, n in ranges if n == "update") / 1e6, 0.0
     for a, b in sorted(busy):  # the union of the kernels' intervals: the rest of the wall is idle
         out["idle"] -= (max(b, end) - max(a, end)) / 1e6
         end = max(end, b)
@@ -61,6 +57,7 @@ def gpu_phases(trace):
 def run(args):
     """in the cell's process: grpo.train(args), the ranges and the profiler set around it; writes the cell's numbers"""
     import torch
+    import triton.testing
     from torch.profiler import ProfilerActivity, profile, record_function
     import batching
     import checkpoint
@@ -118,29 +115,22 @@ def run(args):
         prof.export_chrome_trace(os.path.join(out_dir, "trace.json"))
     recs = [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl")) if line.strip()]
     timed = [r for r in recs if "gen_s" in r][-2]  # step 3: step 4 ran under the profiler
-    model = seen["model"]
-    cfg, dev = model.config, torch.cuda.is_available()
-    n = 8192 if dev else 512
-    x = torch.randn(n, n, dtype=torch.bfloat16, device="cuda" if dev else "cpu")
-    for reps in (1, 10):  # (the first: warm-up)
-        torch.cuda.synchronize() if dev else None
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            x @ x
-        torch.cuda.synchronize() if dev else None
-    rate = 10 * 2 * n**3 / (time.perf_counter() - t0)  # FLOP/s
+    model, dev = seen["model"], torch.cuda.is_available()
+    cfg = model.config
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda") if dev else None
+    rate = 2 * 8192**3 / (triton.testing.do_bench(lambda: x @ x) / 1e3) if dev else float("nan")  # FLOP/s
     lora = any(a.startswith("--lora_r=") and a != "--lora_r=0" for a in args)
     n_mat = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "lora_" not in n
                 and ("embed_tokens" not in n or cfg.tie_word_embeddings))  # the matrices a token runs through
-    iters = int(next((a.split("=")[1] for a in args if a.startswith("--num_iterations=")), 1))
-    tokens = (sum(seen["P"]) + sum(seen["C"])) * iters  # kv_reuse: each prompt once, its G completions
+    tokens = (sum(seen["P"]) + sum(seen["C"])) * int(next(  # kv_reuse: each prompt once + its G completions, a pass
+        (a.split("=")[1] for a in args if a.startswith("--num_iterations=")), 1))
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * D * 2  # bytes of one token's K and V (bf16)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()  # what a decode step reads
+                  if "embed_tokens" not in n or cfg.tie_word_embeddings)
     P = [seen["P"][r // seen["G"]] for r in range(len(seen["C"]))]  # each row's prompt length
     kv_read = sum(p * c + c * (c - 1) / 2 for p, c in zip(P, seen["C"])) * kv_token  # a row's steps: P + t each
-    import bench_rollout
-    bw = bench_rollout.spec_bandwidth() or float("nan")
+    bw = __import__("bench_rollout").spec_bandwidth() or float("nan")  # datasheet HBM bytes/s
     res = dict(gen=timed["gen_s"], update=timed["update_s"], peak=max(r["peak_gib"] for r in recs if "peak_gib" in r),
                gen_floor=(max(seen["C"]) * weights + kv_read) / bw, rate=rate,
                update_floor=(4 if lora else 6) * n_mat * tokens / rate,
@@ -158,11 +148,10 @@ def main(words):
     for name, (model, flags) in cells.items():
         out_dir = os.path.join(bench_e2e.BENCH_DIR, "step", "".join(c if c.isalnum() else "_" for c in name))
         row = bench_e2e.run_cell(name, model, flags + ["--max_steps=4"], 1, out_dir, __file__)
-        try:
-            r = json.load(open(os.path.join(out_dir, "step.json")))
-        except (OSError, ValueError):
+        if not os.path.exists(os.path.join(out_dir, "step.json")):
             print(f"| {name:<32} | ERROR {row.get('why', '')}", flush=True)
             continue
+        r = json.load(open(os.path.join(out_dir, "step.json")))
         phases, wall = r["phases"]
         ph = " ".join(f"{k} {100 * v / wall:.0f}" for k, v in phases.items())
         print(f"| {name:<32} | {r['gen']:6.2f} {r['gen_floor']:6.2f} {r['gen_floor'] / r['gen']:5.2f} | "
