@@ -1,16 +1,16 @@
 """
 Where a GRPO step's time goes, against its hardware floor (issue 43): `python bench_step.py [WORD ...]` runs each cell
 (name has every WORD) as `grpo.py` for 4 steps on a random-weight model (bench_e2e's), in a fresh process; step 3 is
-timed, step 4's update runs under torch.profiler.
-
-Floors: generation = the HBM roofline of the decode steps it ran (every weight once a step + each live row's K/V,
-prompt + tokens so far, at bench_rollout.SPEC_BW); update = k * N * tokens / the bf16 GEMM rate (an 8192^3 matmul in
-the same process): N the matmul parameters, tokens each prompt once + its completions, per pass, k = 6 (forward,
-input and weight gradients) or 4 for LoRA (no weight gradient for the frozen base); checkpointing's recompute is a
-cost, not floor. Phases (ranges set here, none in the library): the GPU time of the kernels launched in prompt
-(kv_reuse's prompt pass), forward (the rest of the micro-batches' forwards), lm_head (the log-prob kernel, both
-ways), optimizer (clip + AdamW), backward (the rest of update_step); idle = its wall with no kernel running.
+timed, step 4's update runs under torch.profiler. Floors: generation = the HBM roofline of the decode steps it ran
+(every weight once a step + each live row's K/V, prompt + tokens so far, at bench_rollout.SPEC_BW); update = k * N *
+tokens / the bf16 GEMM rate (an 8192^3 matmul in the same process): N the matmul parameters, tokens each prompt once +
+its completions, per pass, k = 6 (forward, input and weight gradients) or 4 for LoRA (no weight gradient for the
+frozen base); checkpointing's recompute is a cost, not floor. Phases (ranges set here, none in the library): the GPU
+time of the kernels launched in prompt (kv_reuse's prompt pass), forward (the rest of the micro-batches' forwards),
+lm_head (the log-prob kernel, both ways), optimizer (clip + AdamW), backward (the rest of update_step); idle = its wall
+with no kernel running.
 """
+import functools
 import json
 import os
 import sys
@@ -38,8 +38,7 @@ def gpu_phases(trace):
               and e.get("name") in PHASES]
     launch = {e["args"]["correlation"]: e["ts"] for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")
               and "correlation" in e.get("args", {})}
-    out = dict.fromkeys(("prompt", "forward", "lm_head", "backward", "optimizer", "idle"), 0.0)
-    busy = []
+    out, busy = dict.fromkeys(("prompt", "forward", "lm_head", "backward", "optimizer", "idle"), 0.0), []
     for k in (e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
         t = launch.get(k.get("args", {}).get("correlation"))
         names = {n for a, b, n in ranges if t is not None and a <= t <= b}
@@ -71,6 +70,7 @@ def run(args):
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else []))
 
     def ranged(name, fn, start=False):
+        @functools.wraps(fn)
         def wrapped(*a, **k):
             if start and seen["steps"] == steps and not seen.get("profiling"):
                 seen["profiling"] = prof.start() or True  # the last step's updates, profiled
@@ -88,10 +88,10 @@ def run(args):
         return out
 
     def load_model(*a, **k):  # the prompt pass: the trunk called with kv_reuse's capturing cache
-        model = load_fn(*a, **k)
+        seen["model"] = model = load_fn(*a, **k)
         trunk, fwd = model.model, model.model.forward
-        seen["model"] = model
 
+        @functools.wraps(fwd)  # (kv_reuse.cache_arg reads the trunk's signature)
         def forward(*fa, **fk):
             cache = fk.get("cache", fk.get("past_key_values"))
             if cache is not None and isinstance(getattr(cache, "layers", [None])[0], kv_reuse.CaptureLayer):
