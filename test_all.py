@@ -1359,8 +1359,10 @@ def test_batching_bf16_update_step_close_to_float32():
 
 def _dist_cfg(name):
     """dapo, grpo: the loss normalizers; entropy_batch: the two statistics over the whole batch (the entropy mask's
-    quantile threshold, the rewards' std), gathered over the ranks"""
+    quantile threshold, the rewards' std), gathered over the ranks; dapo_parts: a budget under rank 1's groups (each
+    runs in 3 parts of a row, rank 0 in 2 micro-batches: FSDP2's padding backward passes cover the difference)"""
     kw = dict(loss_type="dapo", top_entropy_quantile=0.5, scale_rewards="batch") if name == "entropy_batch" else {}
+    kw = dict(loss_type="dapo", micro_batch_tokens=12) if name == "dapo_parts" else kw
     return _trainer_cfg(**{"loss_type": name, "micro_batch_tokens": 30, **kw})
 
 
@@ -1375,7 +1377,8 @@ def _dist_worker(rank, world, port, tmp, model_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        for name, engine in (("dapo", "fsdp"), ("grpo", "fsdp"), ("dapo", "replica"), ("entropy_batch", "fsdp")):
+        for name, engine in (("dapo", "fsdp"), ("grpo", "fsdp"), ("dapo", "replica"), ("entropy_batch", "fsdp"),
+                             ("dapo_parts", "fsdp")):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             assert model.config.tie_word_embeddings
             if engine == "fsdp":
@@ -1426,7 +1429,8 @@ def test_batching_ranks_sum_to_one_process():
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         mp.spawn(_dist_worker, args=(world, port, tmp[world], _tiny_model_dir()), nprocs=world)
-    for loss_type, engines in (("dapo", ("fsdp", "replica")), ("grpo", ("fsdp",)), ("entropy_batch", ("fsdp",))):
+    for loss_type, engines in (("dapo", ("fsdp", "replica")), ("grpo", ("fsdp",)), ("entropy_batch", ("fsdp",)),
+                               ("dapo_parts", ("fsdp",))):
         model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
         buf, rewards = _dist_buffer()
         cfg = _dist_cfg(loss_type)
