@@ -1,5 +1,6 @@
 """
-The run's config: every knob a module global with its default (--key=value: parse_config), and their checks.
+The run's config: every knob a module global with its default (--key=value: parse_config), and the checks that
+refuse a bad value, naming its valid range, before anything loads or is written (grpo.py prints the result).
 
     cfg = parse_config(["--lr=5e-6", "--task=countdown"])   # SimpleNamespace of every key
     dev, dt = resolve(cfg)                                   # checked; device and dtype resolved
