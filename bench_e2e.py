@@ -1,18 +1,17 @@
 """
 The GPU end-to-end check: grpo.py as a researcher runs it, a few real steps per cell, on random-weight local HF
-directories built from configs (no hub). CI has no GPU: run it on the GPU before a change to rollout, batching,
-kv_reuse or grpo lands, and put its table in the change's note.
+directories built from configs (no hub). CI has no GPU: run it before a change to rollout, batching, kv_reuse or
+grpo lands, with its table in the change's note.
 
     python bench_e2e.py [WORD ...] [-WORD ...]   # the cells whose name has every WORD and no -WORD; --list names them
     python bench_e2e.py --model qwen2.5-7b DIR   # just build a random-weight model directory (bench_fsdp.sh 7b)
 
 Each cell is a fresh process (torchrun for the 2-GPU cells, skipped with fewer GPUs), `--run-cell --key=value ...`:
 grpo.train with no checkpoint written unless BENCH_SAVE=1. gen and update are the last step's seconds (step 1 also
-compiles), gnorm its gradient norm (a reward with spread: digit_share); "decode" is the last rollout's path:
-compiled | graph (CUDA graphs, eager forward) | fallback (torch.compile failed: graphs, uncompiled) | eager |
-generate (model.generate). Logs go to BENCH_DIR (/tmp/nanogrpo_e2e). The families keep what makes them differ
-(Qwen2.5: GQA 6, q/k/v bias, tied; Llama-3.2: head_dim 64, GQA 4, llama3 RoPE scaling; Qwen3: q/k RMSNorm) at their
-real widths and vocabularies, with 4 layers ("/4L") so that ~30 cells take minutes; repro is the 28-layer 1.5B.
+compiles), gnorm its gradient norm (a reward with spread: digit_share); "decode" is the last rollout's path: compiled |
+graph (CUDA graphs, eager forward) | fallback (torch.compile failed: graphs, uncompiled) | eager | generate
+(model.generate). Logs: BENCH_DIR (/tmp/nanogrpo_e2e). The families keep what differs (Qwen2.5: GQA 6, q/k/v bias, tied;
+Llama-3.2: head_dim 64, llama3 RoPE; Qwen3: q/k RMSNorm) at real widths, 4 layers ("/4L"); repro: 28-layer 1.5B.
 """
 import json
 import math
