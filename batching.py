@@ -341,10 +341,11 @@ def backward(model, buf, mbs, cfg):
     runs = [mb for b0, b1 in mbs for _, mb in micro_batch_parts(buf, b0, b1, cfg)
             if (mb["loss_weights"] > 0).any()]  # (none: e.g. all truncated and masked)
     if units:  # FSDP2: each backward reduce-scatters (a collective), so every rank runs as many; a rank short of
-        # micro-batches runs its first group again with its loss times 0 (zero gradient, same hooks and collectives)
+        # micro-batches runs its first group's first part again with its loss times 0 (zero gradient, same hooks and
+        # collectives; a part, not the group: a group over the budget would not fit whole)
         runs += [None] * (int(global_sum(torch.tensor(len(runs), device=w_sum.device), "max")) - len(runs))
     for run in runs:
-        mb = run or slice_groups(buf, mbs[0][0], mbs[0][0] + 1)
+        mb = run or micro_batch_parts(buf, mbs[0][0], mbs[0][0] + 1, cfg)[0][1]
         if run is None:  # some tokens, so the graph reaches every weight
             mb["loss_weights"] = mb["completion_mask"].float()
         with oom_names_knob(cfg, f"in the loss of a micro-batch of {len(mb['prompt_ids'])} groups x "
