@@ -1,14 +1,11 @@
 """
-Models and runs on disk: loading a model directory (and converting the default SmolLM2 GGUF into one), what a run
-leaves in out_dir, and how a killed run is resumed from it.
-
+Models and runs on disk: model directories (the SmolLM2 GGUF converted to one), resuming a killed run, and out_dir:
     out_dir/LOCK          {"pid", "host"} of the run that holds out_dir: a second run is refused (take_lock)
     out_dir/log.jsonl     one JSON record a step (grpo appends; read_log / write_log cut it back to the checkpoint)
     out_dir/curves.png    the training reward and accuracy and the held-out accuracy by step (plot_curves; matplotlib)
     out_dir/tensorboard/, out_dir/wandb/   --report_to's copies of the log (open_trackers)
     out_dir/ckpt/         an HF directory (from_pretrained loads it as it is) + trainer_state.pt (step, optimizer,
                           every rank's RNG, world size, config); FSDP2: an optimizer_rank{r}.pt a rank (its shard)
-
 A run can be killed anywhere (OOM, Ctrl-C, a lost machine): every write is atomic (a rename last), recover_checkpoint,
 read_log and take_lock undo what a kill leaves, and a file cut otherwise is named when it fails to load (loaded).
 """
@@ -28,7 +25,6 @@ from dist import all_ranks, fsdp_modules, rank, rank0_value
 
 # ------------------------------------------------------------------------------------------------------------------
 # out_dir: the LOCK, a run's other files (RUN_FILES), --overwrite / --resume, atomic checkpoints
-# ------------------------------------------------------------------------------------------------------------------
 RUN_FILES = ("log.jsonl", "log.jsonl.tmp", "curves.png", "ckpt", "ckpt.tmp", "ckpt.old", "tensorboard", "wandb")
 # resume refuses a change of what defines the run (weights' lineage, data, held-out set, shapes); the rest is printed
 STRUCTURAL = ("model", "task", "eval_file", "difficulty", "eval_size", "seed", "group_size", "max_prompt_len",
@@ -103,9 +99,8 @@ def prepare_out_dir(cfg):
 def recover_checkpoint(out_dir):
     """the newest complete checkpoint (holding trainer_state.pt) as out_dir/ckpt, ckpt.tmp and ckpt.old gone; None if
     none. A kill anywhere in save_checkpoint (or here) leaves one of: tmp partial (ckpt as before); tmp and ckpt
-    complete (before the swap); tmp complete, ckpt gone, old complete (between the renames); ckpt complete, old left
-    over (it would wedge later saves). Only renames move a complete directory; rmtree removes only an incomplete one
-    or one a complete ckpt replaces."""
+    complete (before the swap); tmp complete, ckpt gone, old complete (mid-swap); ckpt complete, old left over (it
+    would wedge later saves). Only renames move a complete directory; rmtree only an incomplete or replaced one."""
     final = os.path.join(out_dir, "ckpt")
     tmp, old = final + ".tmp", final + ".old"
     done = lambda d: os.path.isfile(os.path.join(d, "trainer_state.pt"))  # noqa: E731
@@ -186,7 +181,6 @@ def load_local_optimizer_state(optimizer, sd):
 
 # ------------------------------------------------------------------------------------------------------------------
 # model directories: a checkpoint or the base (an HF directory); the default "smollm2" is converted once from its GGUF
-# ------------------------------------------------------------------------------------------------------------------
 def loaded(what, path, load):
     """load(), or a ValueError naming the file that does not parse (a parser's own error names no file)"""
     try:
@@ -296,7 +290,6 @@ def parameter_count(path):
 
 # ------------------------------------------------------------------------------------------------------------------
 # resume
-# ------------------------------------------------------------------------------------------------------------------
 def read_trainer_state(ckpt):
     path = os.path.join(ckpt, "trainer_state.pt")
     return loaded("trainer state", path, lambda: torch.load(path, weights_only=False))

@@ -1,18 +1,13 @@
 """
 The decode step's kernels, each beside its torch reference (rollout.py is the engine that runs them):
-
 1. Decode attention over a group's shared prompt K/V. Each prompt's K/V stay as the prefill left them, (B, kvh, P, D),
-   shared by its G rows; each row's own tokens go into a completion cache (B*G, kvh, T, D). One Triton kernel per
-   layer (split-K "flash decoding") takes a row's query heads for one K/V head (GQA inside the kernel, no repeat),
-   walks the prompt's real columns and the row's written columns only, applies RoPE to q and this step's key
-   (given cos/sin) and writes this step's K/V into the cache on the way, and a second kernel merges the splits by
-   log-sum-exp:
+   shared by its G rows; each row's own tokens go into a completion cache (B*G, kvh, T, D). A split-K ("flash decoding")
+   Triton kernel a layer (_decode_split_kernel: GQA without a repeat, RoPE and the cache write inside) walks only the
+   columns a row attends; a second kernel merges the splits by log-sum-exp:
        o = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),   M = max_s lse_s
-   Finished rows attend nothing. decode_attention_torch is the same function in torch ops (and the CPU path);
-   nanogrpo::decode_attention is either, as a torch op.
+   Finished rows attend nothing; decode_attention_torch is it in torch ops (CPU), nanogrpo::decode_attention either.
 2. Sampling without a host sync (torch.multinomial would sync): inverse-CDF Triton kernels (sample_triton,
    temperature only), or an exponential race in torch ops behind HF's top-k/top-p warpers (sample).
-
 The decode state the attention reads (st): rows (n,) the cache row of each slot, done (n,) finished slots, start (B,)
 each prompt's first real column, slot (1,) this step's completion column, G, and the split count.
 """
@@ -31,10 +26,9 @@ SPLIT_WAVES = 2  # key splits: enough (slot, K/V head, split) programs to fill t
 
 
 def pdl_launch(device):
-    """a launch's arguments for Hopper's programmatic dependent launch (compute capability >= 9, not in the
-    interpreter): a kernel may launch while the one before it runs (launch_pdl) and waits in _wait_for_previous_kernel
-    (USE_GDC). The decode step is a chain of small kernels, so overlapping each launch with the kernel before saves ~10%
-    a step at few rows (1.5B, 8 rows, H200: 1.91 -> 1.72 ms); same arithmetic, same tokens."""
+    """launch arguments for Hopper's programmatic dependent launch (capability >= 9, not interpreted): a kernel launches
+    while the one before it runs (launch_pdl) and waits in _wait_for_previous_kernel (USE_GDC). The decode step is a
+    chain of small kernels: this saves ~10% a step at few rows (1.5B, 8 rows, H200: 1.91 -> 1.72 ms; same tokens)."""
     on = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 and \
         os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     return dict(USE_GDC=True, launch_pdl=True) if on else dict(USE_GDC=False)
@@ -49,8 +43,6 @@ def _wait_for_previous_kernel(USE_GDC: tl.constexpr):
 
 # ----------------------------------------------------------------------------------------------------------------
 # decode attention: Triton split-K kernel, merge kernel, torch reference
-
-
 @triton.jit
 def _attend_columns(k_ptr, v_ptr, base, stride_l, j_lo, j_hi, q, m_i, l_i, acc, qk_scale,
                     D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
@@ -91,10 +83,9 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, cos_ptr, sin_ptr, pk_ptr, pv
                          stride_pb, stride_ph, stride_pl, stride_cn, stride_ch, stride_cl,
                          QPK: tl.constexpr, QPK_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                          SPLITS: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr, USE_GDC: tl.constexpr):
-    """program (slot, kv head, split): the QPK query heads of one K/V head against one contiguous range [lo, hi) of
-    the row's keys, numbered [prompt's real columns | completion columns 0..t]; t = slot_ptr[0] is this step's
-    column. ROPE: q and this step's key come unrotated, with the slots' (cos, sin) rows (stride_rn apart). The split
-    that owns column t first stores this step's K/V there (knew rotated)."""
+    """program (slot, kv head, split): the QPK query heads of one K/V head against keys [lo, hi) of its row, [prompt's
+    real columns | completion columns 0..t], t = slot_ptr[0]. ROPE: q and this step's key come unrotated, with (cos,
+    sin) rows stride_rn apart. The split owning column t first stores this step's K/V there (k rotated)."""
     pid_n, pid_h, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # before the PDL wait, off the critical path: the decode state (the last step's end set it, not the kernel before)
     row = tl.load(rows_ptr + pid_n).to(tl.int64)
@@ -130,8 +121,7 @@ def _decode_split_kernel(q_ptr, knew_ptr, vnew_ptr, cos_ptr, sin_ptr, pk_ptr, pv
     m_i = tl.full([QPK_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([QPK_PAD], tl.float32)
     acc = tl.zeros([QPK_PAD, D], tl.float32)
-    # keys [lo, hi) in the prompt: columns P - n_pre + j of the shared prefix (b, kvh); then in the completion:
-    # columns j - n_pre of this row's cache
+    # key j in [lo, hi): prefix column P - n_pre + j (b, kvh) if j < n_pre, else this row's cache column j - n_pre
     p_base = b * stride_pb + pid_h * stride_ph + (P - n_pre) * stride_pl
     m_i, l_i, acc = _attend_columns(pk_ptr, pv_ptr, p_base, stride_pl, lo, tl.minimum(hi, n_pre), q, m_i, l_i, acc,
                                     qk_scale, D, BLOCK_N, PRECISION)
@@ -273,8 +263,6 @@ def num_splits(n, kvh, device):
 
 # ----------------------------------------------------------------------------------------------------------------
 # sampling: inverse-CDF Triton kernels, torch reference (any warpers)
-
-
 def sample(logits, warpers):
     """(n, V) logits -> (n,) tokens with torch ops (any warpers), and their log-probs under the distribution they were
     drawn from (greedy: plain softmax). Exponential race: argmax_k p_k / E_k with E_k ~ Exp(1) iid picks k with
@@ -305,10 +293,9 @@ def _sample_blocks_kernel(logits_ptr, part_ptr, V, stride_n, inv_temp, BLOCK_V: 
 @triton.jit
 def _sample_pick_kernel(logits_ptr, part_ptr, tok_ptr, logp_ptr, seed_ptr, V, stride_n, inv_temp, BLOCKS,
                         BLOCKS_PAD: tl.constexpr, BLOCK_V: tl.constexpr):
-    """program row: inverse CDF, k = min{k : sum_{j<=k} p_j > u}, u ~ U(0, 1) from Philox(seed, row). With
-    M = max_b m_b, w_b = s_b exp(m_b - M) is block b's mass times W = sum_b w_b: the block is the first whose
-    cumulative mass passes u W, the id the first in it whose running sum exp(z - M) passes what is left. Only that
-    block's logits are read again. log p_k = z_k - (M + log W)."""
+    """program row: inverse CDF, k = min{k : sum_{j<=k} p_j > u}, u ~ U(0, 1) from Philox(seed, row). M = max_b m_b;
+    w_b = s_b exp(m_b - M) is block b's mass times W = sum_b w_b. k: in the first block whose cumulative mass passes
+    u W, the first id whose running sum exp(z - M) passes what is left; log p_k = z_k - (M + log W)."""
     row = tl.program_id(0).to(tl.int64)
     offs_b = tl.arange(0, BLOCKS_PAD)
     b_ok = offs_b < BLOCKS
@@ -353,8 +340,6 @@ def sample_triton(logits, seed, temperature, BLOCK_V=2048):
 
 # ----------------------------------------------------------------------------------------------------------------
 # bookkeeping: what a decode step records after sampling, one Triton kernel (15 small torch kernels otherwise)
-
-
 def record_torch(new, lp, sl, slot, ids, logps, keep, is_eos, pad):
     """after a step drew new (n,) tokens with log-probs lp (n,): finished slots (sl.done) get pad, log-prob 0 and
     keep False; each slot's token lands at column slot + 1 of its row (sl.rows) in ids, logps and keep (N, T); a slot

@@ -1,7 +1,5 @@
 """
-torchrun's ranks, for grpo, checkpoint and batching: who is who, sums over ranks (and a step's logged stats over them:
-stat_op, global_stats), FSDP2's units.
-
+torchrun's ranks for grpo, checkpoint and batching: who is who, sums (and logged stats: stat_op) over them, FSDP2 units.
 Under `torchrun --nproc_per_node=N grpo.py` every rank holds whole groups of the generation batch; batching counts the
 loss normalizers over the ranks (global_sum), so the SUM over ranks of the ranks' gradients is the one-process gradient
 of the whole batch. Plain `python grpo.py` sets no RANK: rank 0 of 1, and every helper here is the identity or a no-op.
@@ -91,8 +89,7 @@ def all_ranks(x):
 
 
 def stat_op(key):
-    """how a logged stat combines over micro-batches, updates and ranks: *_max by max, *_min by min, the rest (sums
-    of weighted values, divided by the summed weights at the end) by sum"""
+    """how a logged stat combines over micro-batches, updates, ranks (a sum: of weighted values, normalized last)"""
     return "max" if key.endswith("_max") else "min" if key.endswith("_min") else "sum"
 
 

@@ -31,18 +31,15 @@ from tasks import (TASKS, check_training_pool, load_task, make_reward, overlong_
 # more than one process: `torchrun --nproc_per_node=N grpo.py ...`. Each rank generates and scores its own
 # prompts_per_step / N whole groups (advantages stay local) from its own RNG stream (seed + rank); the gradients sum
 # over the ranks (dist.py; FSDP2, --fsdp=False: replicas). The eval is sharded; rank 0 alone prints, logs, saves.
-# ------------------------------------------------------------------------------------------------------------------
 def shard_model(model, dt, dev):
     """FSDP2: fully_shard each decoder layer, then the root (embeddings, final norm, LM head: tied ones stay one
-    parameter). The float32 weights, gradients and AdamW moments are sharded; forward and backward run in dt on
-    gathered weights (MixedPrecisionPolicy), gradients reduce-scattered in float32 as a SUM (the loss weights hold the
-    global normalizers). A unit stays gathered from its first forward to the end of the mini-batch's backward
-    (batching.backward reshards; ZeRO-2 for the dt weights): kv_reuse calls each layer twice (prompt, then
-    completions), and the prompt pass's backward, started by the completions' K/V gradients, runs after that layer's
-    post-backward hook of the completion pass (which reshards by default), and for the last layer without any
-    pre-backward hook (the prompt pass's output gets no gradient), so it would read freed weights. The loss is a
-    forward method of the root (batching.logprobs_forward): the LM-head weight it reads is the gathered one, its
-    gradient reduced like every other."""
+    parameter). The float32 weights, gradients and AdamW moments are sharded; forward and backward run in dt on gathered
+    weights (MixedPrecisionPolicy), gradients reduce-scattered in float32 as a SUM (the loss weights hold the global
+    normalizers). A unit stays gathered until the mini-batch's backward ends (batching.backward reshards; ZeRO-2 for the
+    dt weights): kv_reuse calls each layer twice (prompt, then completions), and the prompt pass's backward (started by
+    the completions' K/V gradients) runs after the completion pass's post-backward hook, which reshards by default, and
+    for the last layer with no pre-backward hook at all (the prompt pass's output gets no gradient): it would read freed
+    weights. The loss is a root forward method (batching.logprobs_forward), so it reads the gathered LM-head weight."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from batching import logprobs_forward
@@ -63,10 +60,8 @@ def shard_model(model, dt, dev):
 
 # ------------------------------------------------------------------------------------------------------------------
 # prompts
-# ------------------------------------------------------------------------------------------------------------------
 def stop_token_ids(model, tokenizer):
-    """the ids that end a completion: the tokenizer's EOS and every EOS of the model's generation_config, which is
-    what model.generate stops at (Qwen2.5-Instruct lists <|im_end|> and <|endoftext|>, Llama-3.1-Instruct three)"""
+    """the tokenizer's EOS and each generation_config EOS, where model.generate stops (Qwen2.5: 2, Llama-3.1: 3)"""
     ids = model.generation_config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     return sorted({tokenizer.eos_token_id, *ids} - {None})
@@ -93,7 +88,6 @@ def score(reward_fn, tokenizer, buf, pairs, n):
 
 # ------------------------------------------------------------------------------------------------------------------
 # the loop
-# ------------------------------------------------------------------------------------------------------------------
 def cast_parameters(model, dt):
     """the parameters in dt, the buffers left as they are: RoPE's inv_freq stays float32, as transformers'
     from_pretrained(dtype=bfloat16) leaves it. model.to(bfloat16) would round it too (relative error up to 3e-3),
@@ -104,12 +98,11 @@ def cast_parameters(model, dt):
 
 
 def make_optimizer(policy, cfg, dt):
-    """AdamW over float32 weights. A bf16 run's model holds dt copies (generation, forward and backward all run in
-    dt) and the optimizer float32 masters, rounded into the model after each step: stepping bf16 weights directly
-    drops every update below 2^-8 of the weight, and an lr=1e-5 AdamW update is ~1e-3 of a typical weight. Under
-    FSDP2 the sharded parameters are the masters (shard_model). With LoRA only the float32 adapters train: the frozen
-    base is cast to dt, with no master (a 7B base is 15 GB in bf16; masters and AdamW would add 90 GB). Returns
-    (optimizer, masters or None)."""
+    """AdamW over float32 weights. A bf16 run's model holds dt copies (generation, forward, backward: all in dt), the
+    optimizer float32 masters, rounded into the model after each step: stepping bf16 weights drops every update below
+    2^-8 of the weight, and an lr=1e-5 AdamW update is ~1e-3 of a typical weight. Under FSDP2 the sharded parameters are
+    the masters (shard_model). With LoRA only the float32 adapters train: the frozen base is cast to dt, with no master
+    (a 7B base is 15 GB in bf16; masters and AdamW would add 90 GB). -> (optimizer, masters or None)"""
     master, sharded = None, bool(fsdp_modules(policy))
     trainable = [p for p in policy.parameters() if p.requires_grad]
     if len(trainable) < len(list(policy.parameters())):  # LoRA (lora.add_lora froze the rest)
@@ -127,10 +120,9 @@ def make_optimizer(policy, cfg, dt):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
-    """held-out greedy accuracy and format rate (temperature 0, one completion per prompt); with eval_pass_k = k > 0
-    also pass@k: the fraction of prompts with at least one correct answer among k samples at eval_temperature (n = k
-    samples, so the estimator 1 - C(n-c, k)/C(n, k) of Chen et al. is just "any correct"). Each rank scores its share of
-    the prompts, the counts summed. Returns a dict; eval_samples: the first greedy completions (rank 0's)."""
+    """held-out greedy accuracy and format rate (temperature 0, one completion a prompt); eval_pass_k = k > 0 adds
+    pass@k, the share of prompts with a correct answer among k samples at eval_temperature (n = k: Chen et al.'s
+    1 - C(n-c, k)/C(n, k) is "any correct"). Sharded over the ranks. eval_samples: rank 0's first greedy completions."""
     from batching import rollout
     model.eval()
     correct = fmt = passed = 0
@@ -138,8 +130,7 @@ def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
     mine = eval_set[rank()::world_size()]  # (all of it in one process)
     batch = max(1, batch // max(k, 1))  # prompts per chunk: k samples each
     chunks = max(1, math.ceil(len(mine) / batch))
-    batch = max(1, math.ceil(len(mine) / chunks))  # chunks of even size: a last chunk of one prompt (one slot for
-    #   the greedy pass) would compile the decode's graphs again for a slot count of 1 (~26 s at 1.5B, an H200)
+    batch = max(1, math.ceil(len(mine) / chunks))  # even sizes: a 1-prompt last chunk recompiles the decode (~26 s)
     for i in range(0, len(mine), batch):
         chunk = mine[i:i + batch]
         ids, mask = encode_prompts(tokenizer, [q for q, _ in chunk], cfg.max_prompt_len, dev)
@@ -325,8 +316,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
             g["lr"] = cfg.lr * min(1.0, step / max(cfg.warmup_steps, 1))
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        # 1. generate once for the whole generation batch; 2. rewards, one per completion
-        t0 = time.time()
+        t0 = time.time()  # 1. generate once for the whole generation batch; 2. rewards, one per completion
         policy.eval()
         errors_before, n_opt = reward_count["errors"], cfg.num_iterations * cfg.steps_per_generation
         reward_count.update(metrics={}, state=SimpleNamespace(  # the rewards' log_metric values; TRL's trainer_state:
@@ -399,7 +389,6 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
 
 # ------------------------------------------------------------------------------------------------------------------
 # logging
-# ------------------------------------------------------------------------------------------------------------------
 def format_record(r):
     r = {k: math.nan for k in ("clip_ratio", "clip_low", "clip_high", "entropy")} | r
     each = [f"{k[7:]} {v:.3f}" for k, v in r.items() if k.startswith("reward/")]  # each reward's mean, if several

@@ -1,15 +1,12 @@
 """
-Fused LM-head matmul + per-token log-prob + entropy, in Triton, forward and backward.
-
+Fused LM-head matmul + per-token log-prob + entropy, in Triton, forward and backward:
     z    = hidden @ weight.T / temperature            # (N, V), never stored
     lse  = logsumexp(z)                               # (N,)
     logp = z[target] - lse                            # (N,)
     ent  = lse - sum(softmax(z) * z)                  # (N,)
 
-A GRPO step needs logp (and often ent) for every generated token. Doing it with full logits holds N x V floats
-(16k tokens x 128k vocab = 8 GiB in fp32, several copies through autograd). Here the logits live only in
-registers, one (BLOCK_N, BLOCK_V) tile at a time:
-
+Every generated token needs logp (and often ent); full logits hold N x V floats (16k tokens x 128k vocab = 8 GiB in
+fp32, several copies through autograd). Here they live only in registers, one (BLOCK_N, BLOCK_V) tile at a time:
 forward  (_fwd_kernel): the grid is (row blocks) x (vocab splits). Each program runs a K-loop of tl.dot over H for
     each vocab block of its split and folds the tile into running per-row stats, max-shifted:
         m  = running max,  s = sum exp(z - m),  w = sum exp(z - m) * (z - m)
@@ -24,10 +21,8 @@ backward (per vocab chunk [v_lo, v_hi), bounded workspace ws (N, Vc) in the inpu
         dH32          += ws @ weight[v_lo:v_hi]  cuBLAS addmm, bf16 in, fp32 accumulator (N, H) across chunks
     Vocab chunks (not row chunks) because N < V: the cross-chunk fp32 accumulator is then (N, H), not (V, H).
     Extra memory = N*H*4 (dH32) + N*Vc*elt (ws) <= EXTRA_BYTES while N*H*4 leaves room (else see MIN_CHUNK).
-
 Exact and reproducible: fp32 accumulation everywhere, no gradient filtering, no atomics, fixed block sizes (CONFIGS),
 so a rerun gives the same bits. Offsets are int64. Vocab columns past V are -inf (0 would inflate lse: verl #2656).
-
 Runs on CUDA (bf16/fp16 on tensor cores, fp32 with input_precision="ieee", not tf32), or on CPU tensors under
 TRITON_INTERPRET=1 set before import (fp32/fp16 only: tl.dot is wrong on bf16 there, triton #11584); else RuntimeError.
 """
@@ -55,8 +50,6 @@ MIN_CHUNK = 4096  # backward: never fewer vocab columns per chunk (past N*H*4 ~ 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Triton kernels
-
-
 @triton.jit
 def _swizzle(pid, num_pid_n, num_pid_v, GROUP_N: tl.constexpr):
     # grouped order (Triton matmul tutorial): GROUP_N row blocks sweep the vocab side by side -> L2 reuse
@@ -167,8 +160,6 @@ def _bwd_dz_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, g_ptr, gent_ptr, ws_
 
 # ----------------------------------------------------------------------------------------------------------------
 # checks and launch glue
-
-
 def check_inputs(hidden, weight, targets, temperature):
     """ValueError saying what is wrong and what to pass instead; shared by every impl in logprobs.py."""
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
@@ -212,8 +203,7 @@ def _launch_args(hidden, weight):
 
 
 def _forward(hidden, weight, targets, temperature, entropy):
-    # hidden (N, H), weight (V, H), targets (N,) int64 -> logp, ent (or None), lse: fp32 (N,)
-    N, H = hidden.shape
+    N, H = hidden.shape  # hidden (N, H), weight (V, H), targets (N,) int64 -> logp, ent (or None), lse: fp32 (N,)
     V = weight.shape[0]
     cfg, meta = _launch_args(hidden, weight)
     n_vblocks = triton.cdiv(V, cfg["BLOCK_V"])
@@ -315,9 +305,8 @@ class _FusedLogprobs(torch.autograd.Function):
 def fused_logprobs(hidden, weight, targets, temperature=1.0, entropy=True):
     """hidden (..., H), weight (V, H) of one dtype (float32/float16/bfloat16), targets (...) integer ids in [0, V).
     Returns float32 (logp, ent) shaped like targets; ent is None when entropy=False (no entropy work then).
-    Differentiable w.r.t. hidden and weight; logp and ent each take their own per-token upstream gradient. Never
-    materializes N x V; N is padded to a multiple of 16 (a copy of hidden: see _fwd_kernel). Memory and where it runs:
-    the module docstring."""
+    Differentiable w.r.t. hidden and weight, logp and ent each with its own per-token upstream gradient. N is padded to
+    a multiple of 16 (a copy of hidden: see _fwd_kernel). Memory, and where it runs: the module docstring."""
     check_inputs(hidden, weight, targets, temperature)
     if hidden.device.type != "cuda" and not INTERPRET:
         raise RuntimeError(f"fused_logprobs runs Triton kernels: it needs CUDA tensors (got {hidden.device}) or "

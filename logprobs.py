@@ -1,13 +1,9 @@
 """
-Per-token log-probs and entropies of the LM head, three ways, one signature (kernel.fused_logprobs' arguments and
-results; their math at the top of kernel.py):
-
+Per-token log-probs and entropies of the LM head, three ways, one signature (kernel.fused_logprobs'; math: kernel.py):
     token_logprobs(hidden, weight, targets, temperature=1.0, entropy=True, impl="fused") -> (logp, ent)
-
     naive    full (N, V) logits, upcast to fp32 after the matmul, the way TRL does it: simple, O(N*V) memory
-    chunked  torch, rows in chunks (chunk x V fp32 logits at a time), logits recomputed chunk by chunk in
-             backward; dW is accumulated chunk by chunk in the weight's dtype with addmm_ (as Liger does), so
-             bf16 dW takes one rounding per chunk. Runs anywhere torch runs: the CPU choice.
+    chunked  torch, rows in chunks (chunk x V fp32 logits at a time), recomputed in backward; dW accumulates chunk by
+             chunk in the weight's dtype (addmm_, as Liger: bf16 dW rounds once a chunk). Runs anywhere: the CPU choice.
     fused    kernel.fused_logprobs: Triton, logits never leave registers, fp32 accumulation throughout. Where it
              runs: kernel.py's docstring; elsewhere a RuntimeError says to pass impl="chunked" (no silent fallback).
 
@@ -46,8 +42,7 @@ def naive_logprobs(hidden, weight, targets, temperature=1.0, entropy=True):
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, entropy):
-        # hidden (N, H), weight (V, H), targets (N,) int64
+    def forward(ctx, hidden, weight, targets, temperature, entropy):  # hidden (N, H), weight (V, H), targets (N,) int64
         ctx.set_materialize_grads(False)
         N, C = hidden.shape[0], _chunk_rows(weight.shape[0])
         logp = hidden.new_empty(N, dtype=torch.float32)
@@ -129,7 +124,6 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, entropy=True, impl=
 
 # ----------------------------------------------------------------------------------------------------------------
 # benchmark
-
 GPU_SHAPES = [  # (name, N tokens, H, V)
     ("Llama-3-8B", 16384, 4096, 128256),
     ("Qwen2.5-7B", 16384, 3584, 152064),
@@ -204,7 +198,6 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
         z = torch.mm(hidden.detach(), weight.detach().t(), out=z)
         z @ weight.detach()
         z.t() @ hidden.detach()
-
     with torch.no_grad():
         floor_ms = _time(floor, dev, reps)
     gc.collect()
@@ -220,7 +213,6 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
             outs = (logp, ent) if ent is not None else (logp,)
             dH, dW = torch.autograd.grad(outs, (hidden, weight), (g, g_ent)[:len(outs)])
             return logp, ent, dH, dW
-
         row = dict(shape=name, N=N, H=H, V=V, impl=impl, floor_ms=round(floor_ms, 3))
         try:
             ms = _time(step, dev, reps)

@@ -1,16 +1,13 @@
 """
 nanoGRPO's tasks: make_prompts(n, seed, difficulty) -> [(question, example)], reward(completion, example) ->
 (reward, correct); plain functions: swap TASKS[name] for your own (the example: README). Imports nothing of the project.
-
 The answer is the last "The answer is X": correct 1.0, the format with a wrong X 0.1, else 0. Read anywhere, not only at
 the end: the policy then repeats its answer block to max_completion_len, but read only at the reply's end it dropped the
-equation instead (held-out accuracy stayed at 0.70). SmolLM2-135M-Instruct half-follows this format (greedy, 1-digit
-arithmetic, before ARITHMETIC_FORMAT's example: format 75%, correct 19%); it never wrote <answer>X</answer> even when
-told to, so a tag format gives GRPO no signal.
+equation (held-out accuracy stayed at 0.70). SmolLM2-135M-Instruct half-follows the format (75%, correct 19%: greedy,
+1-digit, before ARITHMETIC_FORMAT's example) but never wrote <answer>X</answer>, even if told to: tags give no signal.
 
-A reward runs on whatever the policy writes, so it must be safe on any string: numbers are read with parse_int
-(bounded: int() of a 4,300+ digit string raises), expressions with safe_eval (never Python's eval: 60 unary
-minus signs raised RecursionError there, and 9**9**9 would never return).
+A reward must be safe on any string: parse_int reads numbers (bounded: int() of a 4,300+ digit string raises), safe_eval
+expressions (never eval: 60 unary minus signs raised RecursionError, 9**9**9 never returns).
 """
 import ast
 import importlib
@@ -144,7 +141,6 @@ def countdown_reward(completion, target):
 
 # ------------------------------------------------------------------------------------------------------------------
 # dataset tasks: jsonl:PATH (one JSON object a line) and hf:NAME[:config] (through `datasets`, when installed)
-# ------------------------------------------------------------------------------------------------------------------
 QUESTION_KEYS = ("question", "prompt", "problem")  # the first one a row has is its question
 ANSWER_KEYS = ("answer", "solution", "target")
 ANSWER_RE = re.compile(r"answer is:?\s*(.+?)\s*\.?\s*$", re.I | re.M)  # the text after the last "answer is"
@@ -159,8 +155,7 @@ def dataset_answer(example):
 
 
 def same_answer(got, want):
-    """numbers compare by value (exactly, as fractions: "3.50" == "3.5", "$1,234" == "1234"), anything else as
-    case-folded text"""
+    """numbers compare by value (exactly, as fractions: "3.50" == "3.5", "$1,234" == "1234"), else case-folded text"""
     def num(x):
         x = x.replace(",", "").replace("$", "").strip()
         if not re.fullmatch(r"-?\d*\.?\d+", x) or len(x) > MAX_DIGITS + 2:
@@ -211,9 +206,8 @@ def read_rows(spec, split="train"):
 
 
 def dataset_task(spec, eval_size, eval_file=""):
-    """(make_prompts, eval_set) of a dataset: the held-out set is eval_file's first eval_size rows (hf: its "test"
-    split) or, without one, eval_size rows drawn with the fixed EVAL_SEED (the same held-out questions for every
-    --seed, so runs compare); training draws with replacement from the remaining rows"""
+    """(make_prompts, eval_set): held out are eval_file's first eval_size rows (hf: "test" split), else eval_size rows
+    drawn with EVAL_SEED (the same for any --seed: runs compare); training samples the rest with replacement"""
     rows = read_rows(spec)
     if eval_file:
         held = read_rows(eval_file if eval_file.startswith(("jsonl:", "hf:")) else "jsonl:" + eval_file,
@@ -240,7 +234,6 @@ MAX_DIFFICULTY = {"arithmetic": 18, "countdown": 10}
 
 # ------------------------------------------------------------------------------------------------------------------
 # what the trainer does with any task: the held-out split, the training prompt stream, the reward guard
-# ------------------------------------------------------------------------------------------------------------------
 EVAL_SEED = 10**9 + 7  # held-out set: a seed no training step uses (see step_seed)
 
 
