@@ -1,14 +1,14 @@
 """
-Where a GRPO step's time goes, against its hardware floor (issue 43): `python bench_step.py [WORD ...]` runs each cell
-(name has every WORD) as `grpo.py` for 4 steps on a random-weight model (bench_e2e's), in a fresh process; step 3 is
-timed, step 4's update runs under torch.profiler. Floors: generation = the HBM roofline of the decode steps it ran
-(every weight once a step + each live row's K/V, prompt + tokens so far, at bench_rollout.SPEC_BW); update = k * N *
-tokens / the bf16 GEMM rate (an 8192^3 matmul in the same process): N the matmul parameters, tokens each prompt once +
-its completions, per pass, k = 6 (forward, input and weight gradients) or 4 for LoRA (no weight gradient for the
-frozen base); checkpointing's recompute is a cost, not floor. Phases (ranges set here, none in the library): the GPU
-time of the kernels launched in prompt (kv_reuse's prompt pass), forward (the rest of the micro-batches' forwards),
-lm_head (the log-prob kernel, both ways), optimizer (clip + AdamW), backward (the rest of update_step); idle = its wall
-with no kernel running.
+Where a GRPO step's time goes, against its hardware floor (issue 43): `python bench_step.py [WORD ...] [--key=value
+...]` runs each cell (name has every WORD; the flags join its own) as `grpo.py` for 4 steps on a random-weight model
+(bench_e2e's), in a fresh process; step 3 is timed, step 4's update runs under torch.profiler. Floors: generation =
+the HBM roofline of the decode steps it ran (every weight once a step + each live row's K/V, prompt + tokens so far,
+at bench_rollout.SPEC_BW); update = k * N * tokens / the bf16 GEMM rate (an 8192^3 matmul in the same process): N the
+matmul parameters, tokens each prompt once + its completions, per pass, k = 6 (forward, input and weight gradients) or
+4 for LoRA (no weight gradient for the frozen base); checkpointing's recompute is a cost, not floor. Phases (ranges
+set here, none in the library): the GPU time of the kernels launched in prompt (kv_reuse's prompt pass), forward (the
+rest of the micro-batches' forwards), lm_head (the log-prob kernel, both ways), optimizer (clip + AdamW), backward
+(the rest of update_step); idle = its wall with no kernel running.
 """
 import functools
 import json
@@ -140,14 +140,17 @@ def run(args):
 
 def main(words):
     import torch
-    cells = {k: v for k, v in CELLS.items() if all(w in k for w in words)}
+    extra = [w for w in words if w.startswith("--")]  # --key=value: added to every cell's flags
+    cells = {k: v for k, v in CELLS.items() if all(w in k for w in words if w not in extra)}
     print(f"GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}, torch {torch.__version__}; "
-          f"seconds of step 3, floors as in this file's docstring; phases: the profiled step 4's update")
+          f"seconds of step 3, floors as in this file's docstring; phases: the profiled step 4's update; "
+          f"flags: {' '.join(extra) or 'the cells own'}")
     print(f"| {'cell':<32} | {'gen s':>6} {'floor':>6} {'frac':>5} | {'upd s':>6} {'floor':>6} {'frac':>5} | "
           f"{'step':>5} | {'GiB':>5} | update phases, % of its wall")
     for name, (model, flags) in cells.items():
-        out_dir = os.path.join(bench_e2e.BENCH_DIR, "step", "".join(c if c.isalnum() else "_" for c in name))
-        row = bench_e2e.run_cell(name, model, flags + ["--max_steps=4"], 1, out_dir, __file__)
+        label = " ".join([name, *extra])  # (its own out_dir and log: a run with other flags keeps this one's)
+        out_dir = os.path.join(bench_e2e.BENCH_DIR, "step", "".join(c if c.isalnum() else "_" for c in label))
+        row = bench_e2e.run_cell(label, model, flags + extra + ["--max_steps=4"], 1, out_dir, __file__)
         if not os.path.exists(os.path.join(out_dir, "step.json")):
             print(f"| {name:<32} | ERROR {row.get('why', '')}", flush=True)
             continue
