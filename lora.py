@@ -5,13 +5,15 @@ and only A, B train (float32, in the optimizer); the base stays frozen in the ru
 
 The adapters go into the HF model in place (peft.inject_adapter_in_model), so the policy keeps its class and
 `model.model.layers`, which kv_reuse, rollout and batching read: a PeftModel wrapper would not. The trainer uses:
-    add_lora(model, r, alpha, dropout, targets)   the adapters in, everything else frozen
+    add_lora(model, r, alpha, dropout, targets)   the adapters in, everything else frozen; each LoRA layer's forward
+                                                  is lora_forward (the adapter math in the base's dtype, as autocast)
     effective_weight(linear)                      rollout's decode: W + (alpha/r) B A folded once per rollout
     disabled(model)                               the reference model when beta > 0: the base, adapters off
     save_adapter / load_adapter                   ckpt/ as a PEFT adapter directory (PeftModel.from_pretrained loads it)
 """
 import contextlib
 import os
+import types
 
 import torch
 
@@ -33,7 +35,26 @@ def add_lora(model, r, alpha, dropout, targets=TARGETS):
     for p in model.parameters():
         if p.requires_grad:  # (the adapters only)
             p.data = p.data.float()
+    for m in model.modules():
+        if is_lora(m):
+            m.forward = types.MethodType(lora_forward, m)
     return model
+
+
+def lora_forward(self, x, *args, **kwargs):
+    """PEFT's LoRA Linear forward, y = x W^T + s * dropout(x) A^T B^T, but in x's dtype: PEFT computes the adapter in
+    float32 (a float32 copy of x, its dropout, two float32 GEMMs and a float32 add per projection: half a 7B LoRA
+    update's time). Here A and B are rounded to x's dtype as autocast would (their gradients still reach the float32
+    parameters) and the add runs in B's GEMM (addmm). Anything else (DoRA, merged, disabled) is PEFT's own forward."""
+    adapters = [a for a in self.active_adapters if a in self.lora_A]
+    if self.disable_adapters or self.merged or args or kwargs or any(self.use_dora.get(a) for a in adapters):
+        return type(self).forward(self, x, *args, **kwargs)
+    y = self.base_layer(x)  # (..., out)
+    for a in adapters:
+        h = self.lora_dropout[a](x) @ self.lora_A[a].weight.to(x.dtype).t()  # (..., r)
+        y = torch.addmm(y.flatten(0, -2), h.flatten(0, -2), self.lora_B[a].weight.to(x.dtype).t(),
+                        alpha=self.scaling[a]).view(y.shape)
+    return y
 
 
 def is_lora(module):

@@ -2052,6 +2052,39 @@ def test_lora_gradients_equal_peft():
 
 
 @check
+def test_lora_forward_runs_the_adapters_in_the_base_dtype():
+    """lora.lora_forward (the trainer's LoRA layer forward) on a bfloat16 base with float32 adapters: a bfloat16 output,
+    within bfloat16 rounding of the float32 math y = x W^T + s x A^T B^T (as PEFT's float32 adapter computes it), and
+    float32 gradients for A and B close to the float32 ones; PEFT's own forward where an adapter is disabled"""
+    if not _have("peft"):
+        raise Skip("peft not installed")
+    import lora
+    torch.manual_seed(0)
+    model = lora.add_lora(torch.nn.ModuleDict({"q_proj": torch.nn.Linear(64, 48, bias=False)}), 8, 16.0, 0.0)
+    m = model["q_proj"]
+    m.base_layer.to(torch.bfloat16)
+    torch.nn.init.normal_(m.lora_B["default"].weight)
+    A, B = m.lora_A["default"].weight, m.lora_B["default"].weight  # float32 (r, in), (out, r)
+    assert m.forward.__func__ is lora.lora_forward and A.dtype == torch.float32
+    x = torch.randn(2, 5, 64).to(torch.bfloat16)
+    y = m(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 5, 48), (y.dtype, y.shape)
+    xf, W = x.float(), m.base_layer.weight.float()
+    ref = xf @ W.T + 2.0 * (xf @ A.T) @ B.T
+    assert_close(y.float(), ref, 2e-2, "bf16 adapter vs float32 math")
+    (y.float() * ref.detach()).sum().backward()
+    got = [A.grad.clone(), B.grad.clone()]
+    A.grad = B.grad = None
+    (ref * ref.detach()).sum().backward()
+    for g, want, name in zip(got, (A.grad, B.grad), "AB"):
+        assert g.dtype == torch.float32, g.dtype
+        assert_close(g, want, 3e-2, f"grad {name}")
+    with lora.disabled(model):
+        assert_close(m(x).float(), xf @ W.T, 1e-2, "disabled: the base alone")
+    assert (ref - xf @ W.T).abs().max() > 1, "the adapter term is too small for the check to fail"
+
+
+@check
 @_kv_one_thread
 def test_lora_decode_folds_adapters_greedy_equal_peft():
     """the decode engine folds each adapter into the weights it fuses (W + (alpha/r) B A, o_proj and down_proj too):
