@@ -246,7 +246,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     from tqdm import tqdm
 
     from batching import prepare_buffer, update_step
-    from kv_reuse import checkpointing_enable, compile_layers
+    from kv_reuse import checkpointing_enable
     r, world = rank(), world_size()
     ckpt = rank0_value(checkpoint.prepare_out_dir(cfg) if r == 0 else None)  # the others wait for rank 0's recovery
     state = checkpoint.read_trainer_state(ckpt) if ckpt else None
@@ -278,8 +278,6 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
             lora.load_adapter(policy, ckpt)
     if cfg.gradient_checkpointing:
         checkpointing_enable(policy)
-    if cfg.compile and dev.type == "cuda":  # the update's decoder layers (the decode compiles its own in rollout)
-        compile_layers(policy)
     if sharded:
         shard_model(policy, dt, dev)
     ref_model = None
