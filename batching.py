@@ -5,7 +5,7 @@ A generation batch is prompts_per_step prompts x group_size completions, sampled
 num_iterations optimizer steps that follow all read the same buffer (TRL #3283), so generation is not repeated per
 gradient-accumulation micro-batch and "how many updates per sample" is its own knob.
 
-    prompts (B, P) left-padded ─ generate_groups ─> completions (B*G, C) right-padded, rows prompt-major (b*G + g)
+    prompts (B, P) left-padded ─ generate_in_waves ─> completions (B*G, C) right-padded, rows prompt-major (b*G + g)
     rewards (B*G,) ─ group_advantages ─> advantages (B*G,)
     steps_per_generation = K: the groups are shuffled and cut into K disjoint mini-batches, one optimizer step each;
         num_iterations passes over the K mini-batches = num_iterations * K optimizer steps per generation (TRL)
@@ -22,7 +22,7 @@ import torch
 import lora
 from dist import all_ranks, distributed, fsdp_modules, global_stats, global_sum, stat_op
 from kv_reuse import completion_hidden
-from rollout import LAST, eos_tensor, generate_groups
+from rollout import LAST, eos_tensor, generate_in_waves
 from logprobs import token_logprobs
 
 # per-completion entries of the buffer: (B*G, C) token tensors or (B*G,) row tensors
@@ -32,19 +32,23 @@ ROW_KEYS = ("completion_ids", "completion_mask", "truncated", "advantages", "los
 
 @torch.no_grad()
 def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature, top_p, eos_token_id,
-            pad_token_id, compile=True):
+            pad_token_id, compile=True, kv_gib=0.0):
     """sample group_size completions per prompt; the returned dict is the generation buffer. eos_token_id: an int or
     a list (every id that ends a completion). sampler_logp: each token's log-prob as the sampler computed it (its
-    decode kernels, not the training forward's); decode: the path that sampled it (rollout.LAST["path"])"""
-    completion_ids, completion_mask, sampler_logp = generate_groups(
-        model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature=temperature, top_p=top_p,
-        eos_token_id=eos_token_id, pad_token_id=pad_token_id, return_logprobs=True, compile=compile)  # (B*G, C) each
+    decode kernels, not the training forward's); decode: the path that sampled it (rollout.LAST["path"]). K/V of at
+    most kv_gib GiB live at once (0: 80% of the GPU memory free now; none on the CPU): more in waves."""
+    dev = prompt_ids.device
+    budget = kv_gib * 2**30 if kv_gib > 0 else None if dev.type != "cuda" else 0.8 * (
+        torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
+    completion_ids, completion_mask, sampler_logp = generate_in_waves(
+        model, prompt_ids, prompt_mask, group_size, max_completion_len, budget, eos_token_id, pad_token_id,
+        temperature=temperature, top_p=top_p, compile=compile)  # (B*G, C) each
     completion_mask = completion_mask.long()
     has_eos = (torch.isin(completion_ids, eos_tensor(eos_token_id, completion_ids.device))
                & (completion_mask == 1)).any(1)  # (B*G,); with no EOS it filled max_completion_len: truncated
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(), completion_ids=completion_ids,
                 completion_mask=completion_mask, truncated=~has_eos, group_size=group_size, sampler_logp=sampler_logp,
-                decode=LAST["path"])
+                decode=LAST["path"], waves=LAST["waves"])
 
 
 def select_groups(buf, idx):

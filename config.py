@@ -66,6 +66,7 @@ lora_alpha = 32  # the adapter's scale is lora_alpha / lora_r (TRL's ModelConfig
 lora_dropout = 0.05
 lora_target_modules = ""  # comma-separated module names ("" = q,k,v,o,gate,up,down_proj: attention and MLP)
 micro_batch_tokens = 32768  # token budget of a micro-batch (whole groups of P + G*C tokens); lower it on OOM
+rollout_kv_gib = 0.0  # K/V a rollout holds at once (0 = auto: 80% of free GPU memory); more groups go in later waves
 device = "auto"  # auto | cuda | cpu
 dtype = "bfloat16"  # the model runs in this dtype; AdamW steps float32 master copies (see make_optimizer)
 seed = 1337
@@ -144,6 +145,7 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
                                               "soft_punish_cache", "eval_samples", "max_flat_steps", "lora_r")},
     "lora_alpha": (lambda v: finite(v) and v > 0, "finite and > 0"),
     "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "rollout_kv_gib": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = auto)"),
 }
 FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite", "mask_truncated_completions",
              "kv_reuse", "gradient_checkpointing", "task", "eval_file", "reward", "reward_weights", "dynamic_sampling",
@@ -266,11 +268,12 @@ def lora_errors(cfg, world):
     return errors
 
 
-def memory_errors(cfg, n_params, world, gpu_bytes):
+def memory_errors(cfg, n_params, world, gpu_bytes, kv_token=0):
     """the training state alone must fit the GPU's free bytes. Per parameter, full fine-tuning holds 16 bytes (float32
     weights or a bf16 run's masters, their gradients, AdamW's two moments) plus the 2 of a bf16 run's weights; FSDP2
     shards the 16 over the ranks, the gathered weights whole on each (ZeRO-2). LoRA: the frozen base in dtype alone.
-    beta > 0 without LoRA: a reference model in dtype. Activations come on top: necessary, not sufficient."""
+    beta > 0 without LoRA: a reference model in dtype. And beside it the K/V of one completion (kv_token bytes a
+    token; the rollout samples in waves, a group in parts, but one row must fit). Necessary, not sufficient."""
     dt_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
     sharded = world > 1 and cfg.fsdp
     if cfg.lora_r:
@@ -278,9 +281,14 @@ def memory_errors(cfg, n_params, world, gpu_bytes):
     else:
         need = n_params * (16 / (world if sharded else 1) + (dt_bytes if sharded or dt_bytes == 2 else 0)
                            + (dt_bytes if cfg.beta > 0 else 0))
+    gib = lambda b: f"{b / 2**30:.0f} GiB"  # noqa: E731
+    row = kv_token * (cfg.max_prompt_len + cfg.max_completion_len)
+    if need <= gpu_bytes < need + row:
+        return [f"--max_completion_len={cfg.max_completion_len} after --max_prompt_len={cfg.max_prompt_len}: one "
+                f"completion's K/V ({kv_token} bytes a token) needs {row / 2**30:.1f} GiB beside the training state's "
+                f"{gib(need)}, and this GPU has {gib(gpu_bytes)} free; shorten them or use a GPU with more memory"]
     if need <= gpu_bytes:
         return []
-    gib = lambda b: f"{b / 2**30:.0f} GiB"  # noqa: E731
     what = (f"{n_params / 1e9:.1f}B parameters need {gib(need)} of GPU memory before any activation ("
             + (f"the frozen base in {cfg.dtype}" if cfg.lora_r else
                "float32 weights or masters, gradients and AdamW moments: 16 bytes a parameter"

@@ -136,7 +136,7 @@ def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
         ids, mask = encode_prompts(tokenizer, [q for q, _ in chunk], cfg.max_prompt_len, dev)
         for n, temp in ((1, 0.0),) + (((k, cfg.eval_temperature),) if k else ()):
             buf = rollout(model, ids, mask, n, cfg.max_completion_len, temp, 1.0, stop_token_ids(model, tokenizer),
-                          tokenizer.pad_token_id, cfg.compile)
+                          tokenizer.pad_token_id, cfg.compile, cfg.rollout_kv_gib)
             texts, scored = score(reward_fn, tokenizer, buf, chunk, n)
             if n == 1 and temp == 0.0:
                 correct += sum(ok for _, ok, _ in scored)
@@ -173,7 +173,7 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
         prompt_ids, prompt_mask = encode_prompts(tokenizer, [q for q, _ in batch], cfg.max_prompt_len, dev)
         try:
             buf = rollout(policy, prompt_ids, prompt_mask, G, cfg.max_completion_len, cfg.temperature, cfg.top_p,
-                          stop_token_ids(policy, tokenizer), tokenizer.pad_token_id, cfg.compile)
+                          stop_token_ids(policy, tokenizer), tokenizer.pad_token_id, cfg.compile, cfg.rollout_kv_gib)
         except torch.cuda.OutOfMemoryError as e:
             raise torch.cuda.OutOfMemoryError("out of GPU memory while generating: lower --prompts_per_step, "
                                               "--group_size or --max_completion_len") from e
@@ -204,7 +204,8 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
                  accuracy=sum(s[1] for s in sampled) / len(sampled),
                  sampling_tries=max(tries), groups=sum(p[4] for p in parts),
                  extra_rollouts=sum(t - 1 for t in tries) * n * G,
-                 sampled_frac_reward_zero_std=n_flat / (n * sum(tries)), decode=draws[0][0]["decode"])
+                 sampled_frac_reward_zero_std=n_flat / (n * sum(tries)), decode=draws[0][0]["decode"],
+                 rollout_waves=draws[0][0]["waves"])  # (1 unless the K/V budget cut it: rollout_kv_gib)
     for i, name in enumerate(reward_names(cfg.reward)):
         stats[f"reward/{name}"] = torch.tensor([s[2][i] for s in sampled]).nanmean().item()  # (TRL: None rows out)
     if cfg.soft_punish_cache:
@@ -245,8 +246,11 @@ def train(argv):
 def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     from tqdm import tqdm
 
+    from transformers import AutoConfig
+
     from batching import prepare_buffer, update_step
     from kv_reuse import checkpointing_enable
+    from rollout import kv_bytes_per_token
     r, world = rank(), world_size()
     ckpt = rank0_value(checkpoint.prepare_out_dir(cfg) if r == 0 else None)  # the others wait for rank 0's recovery
     state = checkpoint.read_trainer_state(ckpt) if ckpt else None
@@ -262,11 +266,12 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     if dev.type == "cuda":  # the training state alone must fit: said before the weights load, with what to do
         try:
             n_params = checkpoint.parameter_count(base)
+            kv_token = kv_bytes_per_token(AutoConfig.from_pretrained(base), torch.finfo(dt).bits // 8)
         except Exception as e:  # noqa: BLE001 - a check that cannot count must not stop a run that may fit
-            n_params = 0
+            n_params = kv_token = 0
             print(f"(memory check skipped: {base} did not build on the meta device: {type(e).__name__}: {e})")
         free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-        errors = memory_errors(cfg, n_params, world, free)  # (free: what other processes hold is not ours)
+        errors = memory_errors(cfg, n_params, world, free, kv_token)  # (free: what other processes hold is not ours)
         if errors:
             raise ValueError("bad config:\n  " + "\n  ".join(errors))
     checkpoint.open_trackers(cfg, state["step"] if state else 0)  # --report_to (rank 0's); train's finally closes

@@ -1,25 +1,18 @@
-"""
-Rollouts: G completions per prompt, sampled at reasoning lengths near the memory-bandwidth limit.
-
-A decode step of B*G rows must read every weight once plus every live row's K/V. Three things decide how close we get:
-
+"""Rollouts: G completions per prompt, sampled at reasoning lengths near the memory-bandwidth limit. A decode step of
+B*G rows must read every weight once plus every live row's K/V; three things decide how close we get:
 1. Attention reads only what exists, once. Each prompt is prefilled once, its K/V shared by its G rows; each row's own
    tokens go into a completion cache, and decode_kernels.py's split-K kernel (its point 1) reads the real columns only.
-2. Finished rows stop costing. Rows live in "slots"; slot i decodes cache row rows[i]. Every CHECK_EVERY steps the
-   host reads which rows are done; when the live ones fit a bucket of half the slots or fewer (powers of two), they
-   are compacted into a smaller batch with its own captured graph. Finished rows never run attention (the kernel
-   skips them), and after a compaction they skip the matmuls too. No K/V is copied: only the slot -> row map moves.
-3. Few launches. At decode, M = live rows (8-128) and a GEMM costs a few us whatever its size: decode_forward runs the
-   model's own modules but q|k|v and gate|up as one GEMM each (FUSE: 7 GEMMs a layer become 4), each step (forward,
-   sampling, bookkeeping) is one CUDA graph replay, and sampling needs no host sync (decode_kernels.py). From
-   COMPILE_MIN_TOKENS new tokens on, the forward is torch.compile'd in three parts shared by all layers, which fuses the
-   ~30 small elementwise kernels a layer runs eagerly into a handful. A model it cannot trace decodes uncompiled.
-
-Other models (sliding window, other attention) fall back to model.generate with the same outputs; layers that are
-not llama/qwen2/qwen3-shaped run their own forward on our attention ("nanogrpo_decode"). Left out: paged K/V (a
-group's rows start together, so a dense cache per row wastes nothing until rows finish, and compaction handles that)
-and custom decode GEMMs (8-row steps 14-22% faster on an H200 only: BENCHMARKS, "Tried and not kept").
-"""
+2. Finished rows stop costing: the attention kernel skips them, and every CHECK_EVERY steps the host reads which rows
+   are done; once the live ones fit a power-of-two bucket of at most half the slots, they move to a smaller batch (its
+   own captured graph) that skips their matmuls too. No K/V moves: slot i decodes cache row rows[i].
+3. Few launches. At decode M = live rows (8-128): a GEMM costs a few us whatever its size. decode_forward does q|k|v and
+   gate|up as one GEMM each (FUSE: 4 GEMMs a layer, not 7), a step (forward, sampling, bookkeeping) is one CUDA graph
+   replay, and sampling needs no host sync (decode_kernels.py). From COMPILE_MIN_TOKENS new tokens on, torch.compile
+   fuses a layer's ~30 small eager elementwise kernels into a handful (models it cannot trace decode uncompiled).
+Other models (sliding window, other attention) fall back to model.generate with the same outputs; layers that are not
+llama/qwen2/qwen3-shaped run their own forward on our attention ("nanogrpo_decode"). Left out: paged K/V (a group's rows
+start together, so a dense cache per row wastes nothing until rows finish, and compaction handles that) and custom
+decode GEMMs (8-row steps 14-22% faster on an H200 only: BENCHMARKS, "Tried and not kept")."""
 import contextlib
 import sys
 import warnings
@@ -47,15 +40,13 @@ COMPILE_MIN_TOKENS = 128  # the compile costs ~10-30 s once a process, a step sa
 COMPILE_BACKEND = "inductor"  # on CUDA; on the CPU only another backend compiles (tests: aot_eager, no C++ compiler)
 FUSE = True  # decode with q|k|v and gate|up as one GEMM each (decode_forward); False: the model's own forward
 LAST = {}  # the last call's decode statistics: buckets visited, steps, attention impl, decode path (tests, benchmarks)
-
 DECODE_STATE = []  # the decode state of the step being run (or captured): caches, slot -> row map, column
 
 
 @torch.compiler.disable  # compiled, the launches stay as they are (the CUDA graph captures them anyway)
 def decode_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """transformers attention function for a decode step, "nanogrpo_decode" (the model's own forward, FUSE off):
-    key/value are this step's K/V (n, kvh, 1, D) after RoPE; the caches and the slot -> row map come from
-    DECODE_STATE (a global, not a forward argument, so that torch.compile never guards on or re-traces it)"""
+    """transformers attention "nanogrpo_decode" (the model's own forward, FUSE off): key/value: this step's K/V
+    (n, kvh, 1, D) after RoPE; caches, slot -> row map: DECODE_STATE, a global so torch.compile never guards on it"""
     st = DECODE_STATE[-1]
     pk, pv, ck, cv = st.layers[module.layer_idx]
     return decode_attention_op(query, key, value, pk, pv, ck, cv, st.rows, st.done, st.start, st.slot, st.G, scaling,
@@ -79,8 +70,6 @@ def decode_step(model, st):
 
 # ----------------------------------------------------------------------------------------------------------------
 # sampling, graphs, fallback
-
-
 def make_warpers(temperature, top_p, top_k):
     """HF generate's order: temperature, top-k, top-p; None means greedy"""
     if temperature == 0:
@@ -94,12 +83,11 @@ CAPTURE = {}  # device index -> [side stream, latest decode graph], reused by th
 
 
 def graphed(fn, warmup):
-    """fn() captured as a CUDA graph: returns replay(). warmup() runs first on the side stream (lazy cuBLAS/Triton
-    setup must not happen inside a capture) and must leave no state behind that the real step would not overwrite.
-    capture_begin/end, not `with torch.cuda.graph()`, which empties the allocator's cache at every capture (the
-    training step after each generation then re-allocated its working set: +15% update time). One side stream and
-    one pool per device, reused by every capture (the allocator keeps freed blocks per stream: a stream per call
-    stranded 0.75 GiB each); graphs sharing a pool must not run concurrently, and ours run bucket after bucket."""
+    """fn() as a CUDA graph: returns replay(). warmup() runs first on the side stream (lazy cuBLAS/Triton setup can't
+    run in a capture) and must leave no state the real step would not overwrite. Not `with torch.cuda.graph()`, which
+    empties the allocator cache per capture (training re-allocated its working set after each rollout: +15% update
+    time), but capture_begin/end. One side stream and pool per device (the allocator keeps freed blocks per stream: a
+    stream per call stranded 0.75 GiB each); graphs sharing a pool must not overlap: ours run bucket after bucket."""
     dev = torch.cuda.current_device()
     if dev not in CAPTURE:
         CAPTURE[dev] = [torch.cuda.Stream(), None]
@@ -151,11 +139,9 @@ def model_forward(model, tok, pos):
 
 def fuse_projections(model):
     """per layer (w_qkv, b_qkv, w_gate_up, b_gate_up, w_o, b_o, w_down, b_down) for decode_forward: q/k/v and gate/up
-    weights concatenated along the output dim (one GEMM each: the module docstring's point 3), o_proj's and down_proj's
-    as they are; a copy per call, as weights change every step. A LoRA projection is folded in, W + (alpha/r) B A
-    (lora.effective_weight), so a decode step costs what it costs without LoRA. None if the layers are not the
-    llama/qwen2/qwen3 shape, or a projection is wrapped, quantized or re-implemented (more than x @ W^T + b): such a
-    model keeps its own forward."""
+    concatenated (one GEMM each), o_proj's and down_proj's as they are; a copy per call, as weights change every step.
+    LoRA is folded in (lora.effective_weight: W + (alpha/r) B A) at no decode cost. None (the model keeps its forward)
+    if layers are not llama/qwen2/qwen3-shaped or a projection is more than x @ W^T + b (wrapped, quantized, custom)."""
     cat_bias = lambda wbs: None if all(b is None for _, b in wbs) else torch.cat(  # noqa: E731
         [b if b is not None else w.new_zeros(w.shape[0]) for w, b in wbs])
     fused = []
@@ -184,16 +170,14 @@ def project(x, w, b, norm=None, act=None, residual=None):
 
 
 def rope_in_attention(model):
-    """whether the model's own apply_rotary_pos_emb is rope_torch's formula (decode_kernels.rope_matches): then
-    decode_forward hands the attention op (cos, sin) and q|k|v unrotated, and a layer runs no RoPE kernel of its own"""
+    """whether apply_rotary_pos_emb is rope_torch's (decode_kernels.rope_matches): then the attention op applies RoPE"""
     attn = model.model.layers[0].self_attn
     return decode_kernels.rope_matches(getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None),
                                        attn.head_dim)
 
 
 def attention_inputs(layer, h, w_qkv, b_qkv, rope_attn, cos, sin):
-    """the layer's q (n, h, 1, D), k and v (n, kvh, 1, D) at a decode step: q|k|v of the normed h, the q/k norms
-    (qwen3), RoPE (unless rope_attn: the attention op applies it)"""
+    """a layer's decode q (n, h, 1, D), k, v (n, kvh, 1, D): q|k|v(norm(h)), qwen3's q/k norms, RoPE unless rope_attn"""
     attn = layer.self_attn
     n, D = h.shape[0], attn.head_dim
     sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
@@ -236,12 +220,10 @@ DECODE_PARTS = (decode_first, decode_between, decode_last)
 
 
 def decode_forward(model, fused, st, tok, pos, compiled=False):
-    """model_forward for one decode step, (n, V) logits: the model's own modules in the order its forward calls them,
-    but q|k|v and gate|up as one GEMM each on fuse_projections' weights, and the attention as the op
-    nanogrpo::decode_attention on the decode state st. In parts cut at the attention ops, which no compiler fuses across
-    anyway: decode_first, then per layer the attention and decode_between (so a residual add and the next norm still
-    fuse), decode_last. compiled: each part one torch.compile graph, the same function for every layer, so three
-    compiles serve any depth (26 s at the 28-layer 1.5B shape against 148 s as one graph, a step as fast)."""
+    """model_forward's (n, V) logits from the model's modules, but q|k|v and gate|up one GEMM each (fuse_projections)
+    and attention as nanogrpo::decode_attention on st. Cut at the attention ops (no compiler fuses across them anyway):
+    decode_first, per layer attention + decode_between (residual add + next norm still fuse), decode_last. compiled:
+    each part one graph for all layers: three compiles serve any depth (28-layer 1.5B: 26 s, 148 s as one graph)."""
     call = run_compiled if compiled else (lambda fn, *args: fn(*args))
     layers, L, rope = model.model.layers, len(fused), st.rope_attn
     h, cos, sin, q, k, v = call(decode_first, model, layers[0], fused[0], rope, tok, pos)
@@ -259,10 +241,9 @@ UNCOMPILABLE = weakref.WeakKeyDictionary()  # model -> why torch.compile failed 
 
 
 def run_compiled(fn, *args):
-    """fn(*args) (model_forward, or one of decode_forward's parts) through torch.compile, with dynamic shapes (the
-    slot count changes from bucket to bucket) and without duck sizing, which would tie the slot count to a model
-    dimension of the same size at trace time and recompile when a bucket breaks the tie (5-8 s). Its Triton kernels
-    use programmatic dependent launch where torch has it, like decode_kernels.pdl_launch (-4 to -10% a step, H200)."""
+    """fn(*args) (model_forward or a decode_forward part) via torch.compile: dynamic shapes (slot counts vary by
+    bucket), no duck sizing (it would tie the slot count to an equal model dim, recompiling 5-8 s once a bucket breaks
+    the tie), PDL in its Triton kernels where torch has it (decode_kernels.pdl_launch: -4 to -10% a step, H200)."""
     from torch._inductor import config as inductor_config
     from torch.fx.experimental import _config as fx_config  # private, but in torch 2.1 through 2.13
     key = (fn, COMPILE_BACKEND)
@@ -275,9 +256,8 @@ def run_compiled(fn, *args):
 
 
 def forward_compiled_or_not(model, fn, *args):
-    """run_compiled(fn, *args), or fn(*args) once torch.compile has failed on this model: a module it cannot trace
-    (data-dependent Python, say) costs the compiled forward's speed, with one printed line, not the run. Compilation
-    happens in the graph's warm-up call, never inside a capture, so falling back there is safe."""
+    """run_compiled(fn, *args), or fn(*args) once compile failed on this model (data-dependent Python, say): costing
+    speed and one printed line, not the run. Compiles run in warm-ups, never in a capture: falling back is safe."""
     if model not in UNCOMPILABLE:
         try:
             return fn(*args, compiled=True) if fn is decode_forward else run_compiled(fn, *args)
@@ -291,10 +271,9 @@ def forward_compiled_or_not(model, fn, *args):
 
 @contextlib.contextmanager
 def sampling(model):
-    """the model as generation wants it, restored on exit: eval mode and every module's forward hooks set aside, as
-    they are training's: gradient checkpointing's output.requires_grad_(True) on the input embedding (torch 2.11's
-    compiler refuses it in the fullgraph decode, and each step would build autograd state), FSDP2's unshard/reshard
-    (dist.gathered unshards the weights for the whole rollout; a graph would capture their stream waits)."""
+    """eval mode and no forward hooks, restored on exit. They are training's: output.requires_grad_(True) on the input
+    embedding (gradient checkpointing; torch 2.11's fullgraph decode refuses it, and steps would build autograd state),
+    FSDP2's unshard/reshard (dist.gathered unshards for the whole rollout; graphs would capture their stream waits)."""
     was_training, saved = model.training, [(m, m._forward_pre_hooks, m._forward_hooks) for m in model.modules()]
     for m, pre, post in saved:
         m._forward_pre_hooks, m._forward_hooks = type(pre)(), type(post)()
@@ -313,14 +292,57 @@ def eos_tensor(eos_token_id, device):
                         device=device)
 
 
+def kv_bytes_per_token(config, dtype_bytes=2):
+    """one token's K and V over all layers: 2 * layers * K/V heads * head_dim * dtype bytes (1.5B: 28 KiB in bf16)"""
+    D = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * D * dtype_bytes
+
+
+def waves(B, G, P, T, kv_token, budget):
+    """how B groups of G rows (P prompt columns, T new tokens) keep their K/V within budget bytes (None: no cap):
+    [(b0, b1, rows)], the prompts b0:b1 sampled together, each group's G rows in parts of `rows`. Whole groups while
+    one fits (its rows share the prompt's K/V); else each group in parts, a part prefilling the prompt again."""
+    group = kv_token * (P + G * max(T - 1, 1))  # the prompt once + G completion caches of T-1 columns
+    if budget is None or B * group <= budget:
+        return [(0, B, G)]
+    if group <= budget:
+        n = int(budget // group)
+        return [(b, min(b + n, B), G) for b in range(0, B, n)]
+    rows = int((budget / kv_token - P) // max(T - 1, 1))
+    if rows < 1:
+        raise torch.cuda.OutOfMemoryError(
+            f"rollout: one completion of {T} tokens after a {P}-token prompt needs {(P + T) * kv_token / 2**30:.1f} "
+            f"GiB of K/V ({kv_token} bytes a token) and {budget / 2**30:.1f} GiB is free for it: lower "
+            f"--max_completion_len or --max_prompt_len, or raise --rollout_kv_gib")
+    return [(b, b + 1, rows) for b in range(B)]
+
+
+def generate_in_waves(model, prompt_ids, prompt_mask, group_size, max_new_tokens, kv_budget, eos_token_id, pad_token_id,
+                      **kw):
+    """generate_groups(..., return_logprobs=True) with the K/V of at most kv_budget bytes live at once (waves() says
+    how); the same rows in the same order, right-padded to the longest. LAST["waves"]: how many calls it took."""
+    G, P = group_size, int(prompt_mask.sum(1).max())
+    kv_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
+    plan = waves(prompt_ids.shape[0], G, P, max_new_tokens, kv_token, kv_budget)
+    outs = [generate_groups(model, prompt_ids[b0:b1], prompt_mask[b0:b1], min(rows, G - g0), max_new_tokens,
+                            eos_token_id=eos_token_id, pad_token_id=pad_token_id, return_logprobs=True, **kw)
+            for b0, b1, rows in plan for g0 in range(0, G, rows)]
+    LAST["waves"] = len(outs)
+    if len(outs) == 1:
+        return outs[0]
+    pad = pad_token_id if pad_token_id is not None else int(eos_tensor(eos_token_id, prompt_ids.device)[0])
+    C = max(o[0].shape[1] for o in outs)
+    return tuple(torch.cat([F.pad(o[i], (0, C - o[i].shape[1]), value=pad if i == 0 else 0) for o in outs])
+                 for i in range(3))  # ids (pad), mask (0), log-probs (0)
+
+
 @torch.no_grad()
 def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature=1.0, top_p=1.0,
                     top_k=0, eos_token_id=None, pad_token_id=None, return_logprobs=False, compile=True):
-    """G completions per prompt, (B*G, C) right-padded ids and mask (1 up to and including EOS), row = b*G + g.
-    C <= max_new_tokens: the longest row. Greedy when temperature=0. eos_token_id: int, list, or () for none.
-    return_logprobs: also (B*G, C) float32, each token's log-prob under the distribution it was drawn from (after
-    temperature/top-k/top-p; greedy: plain softmax), as the sampler computed it (0 on padding). compile: the decode
-    forward through torch.compile from COMPILE_MIN_TOKENS new tokens on (CUDA graphs either way)."""
+    """G completions per prompt: (B*G, C) right-padded ids and mask (1 through EOS), row b*G + g, C: longest row.
+    temperature=0: greedy. eos_token_id: int, list, or () for none. return_logprobs: also (B*G, C) float32, each token's
+    log-prob as the sampler computed it, under the distribution after temperature/top-k/top-p (greedy: plain softmax),
+    0 on padding. compile: torch.compile decoding if max_new_tokens >= COMPILE_MIN_TOKENS (CUDA graphs either way)."""
     if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
         raise ValueError("prompt_ids and prompt_mask must both be (B, P)")
     if not bool((prompt_mask[:, -1] == 1).all()):
@@ -350,15 +372,13 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
     attn_impl = ("triton" if dev.type == "cuda" else "torch") if ATTENTION == "auto" else ATTENTION
     graph = CUDA_GRAPH and dev.type == "cuda"
     compiled = compile and T >= COMPILE_MIN_TOKENS and (dev.type == "cuda" or COMPILE_BACKEND != "inductor")
-    with sampling(model):  # eval mode, no training hooks
-        # 1) prefill each prompt once; its K/V (B, kvh, P, D) per layer are the shared prefix of its G rows
+    with sampling(model):  # 1) prefill each prompt once: its K/V (B, kvh, P, D) a layer, the prefix of its G rows
         pos = positions(prompt_mask)  # (B, P)
         cache = DynamicCache(config=model.config)
         out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, **cache_arg(model, cache),
                     use_cache=True, logits_to_keep=1)
-        # one layout for K and V; one dtype: the autocast dtype if on (fp32 weights under autocast mix fp32 and bf16)
         kv_dtype = (torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else
-                    cache.layers[0].keys.dtype)
+                    cache.layers[0].keys.dtype)  # one K/V layout and dtype: fp32 weights under autocast mix dtypes
         prefix = [(l.keys.to(kv_dtype).contiguous(), l.values.to(kv_dtype).contiguous()) for l in cache.layers]
         ids = torch.full((N, T), pad, dtype=torch.long, device=dev)  # (B*G, T) every sampled token lands here
         keep = torch.zeros(N, T, dtype=torch.bool, device=dev)
@@ -373,11 +393,9 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         is_eos = torch.zeros(out.logits.shape[-1], dtype=torch.bool, device=dev)  # (V,) a lookup: torch.isin syncs
         is_eos[eos[eos < is_eos.numel()]] = True
         done = is_eos[tok]
-        del out, cache
-        # 2) decode tokens 1..T-1. Step s feeds token s-1 at completion column s-1 (the cache never holds the last)
-        #    completion cache (B*G, kvh, T-1, D) per layer; zeros: the torch path reads it whole under a mask
-        layers = [(k, v, k.new_zeros(N, k.shape[1], max(T - 1, 1), k.shape[3]),
-                   v.new_zeros(N, v.shape[1], max(T - 1, 1), v.shape[3])) for k, v in prefix]
+        del out, cache  # 2) decode tokens 1..T-1: step s feeds token s-1 at column s-1 (the cache never holds the last)
+        layers = [(k, v, k.new_zeros(N, k.shape[1], max(T - 1, 1), k.shape[3]),  # zeros: torch reads it whole, masked
+                   v.new_zeros(N, v.shape[1], max(T - 1, 1), v.shape[3])) for k, v in prefix]  # (B*G, kvh, T-1, D)
         start = (P - prompt_mask.sum(1)).to(torch.int32)  # (B,) first real prompt column
         slot = torch.zeros(1, dtype=torch.long, device=dev)  # completion column of the fed token, = step - 1
         slots = SimpleNamespace(rows=torch.arange(N, device=dev), tok=tok[:, None].clone(),
@@ -388,16 +406,13 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         LAST.clear()
         LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph, fused=fused is not None,
                     rope="attention" if rope_attn else "torch")
-
         def make_step(sl):  # the decode step of slots sl (the attention op picks its split count for their number)
             st = SimpleNamespace(layers=layers, rows=sl.rows, done=sl.done, start=start, slot=slot, G=G,
                                  impl=attn_impl, rope_attn=rope_attn)
-
             def forward():  # (n, V) logits; writes this step's K/V into the cache at column slot (idempotent)
                 args = (model, fused, st, sl.tok, sl.pos) if fused is not None else (model, sl.tok, sl.pos)
                 with contextlib.nullcontext() if fused is not None else decode_step(model, st):  # (state: an arg)
                     return forward_compiled_or_not(model, forward_fn, *args) if compiled else forward_fn(*args)
-
             def step():  # draw (n,) tokens and log-probs; record them at column slot + 1 of each slot's row
                 record(*draw(forward()), sl, slot, ids, logps, keep, is_eos, pad)
             if not graph:
@@ -407,7 +422,6 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
             except Exception as e:  # a failed capture leaves CUDA state (RNG offsets, pools) unusable: stop here
                 raise RuntimeError("rollout.generate_groups: CUDA graph capture of the decode step failed (e.g. a "
                                    "host sync inside this model's forward); set rollout.CUDA_GRAPH = False") from e
-
         step = make_step(slots)
         s = 1
         while s < T:
@@ -416,10 +430,9 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
                 break
             nb = max(MIN_BUCKET, triton.next_power_of_2(n_live))
             if nb <= n // 2 and T - s >= COMPACT_MIN_STEPS:
-                # live slots first, then finished ones to fill the bucket (their writes land in finished rows)
-                order = torch.argsort(slots.done.to(torch.int8), stable=True)[:nb]
+                order = torch.argsort(slots.done.to(torch.int8), stable=True)[:nb]  # live first, finished fill up
                 slots = SimpleNamespace(rows=slots.rows[order], tok=slots.tok[order], pos=slots.pos[order],
-                                        done=slots.done[order])
+                                        done=slots.done[order])  # finished slots' writes land in finished rows
                 step = make_step(slots)
                 LAST["buckets"].append(nb)
             for _ in range(min(CHECK_EVERY, T - s)):
@@ -429,8 +442,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         LAST["compiled"] = compiled and model not in UNCOMPILABLE  # (a failure is said once, then not retried)
         if model in UNCOMPILABLE:
             LAST["compile_error"] = UNCOMPILABLE[model]
-        # the path in one word: compiled (+ graph on CUDA) | fallback (compile failed: uncompiled) | graph | eager
         LAST["path"] = "compiled" if LAST["compiled"] else "fallback" if model in UNCOMPILABLE else \
-            "graph" if graph else "eager"
+            "graph" if graph else "eager"  # compiled (+ graph on CUDA) | fallback (compile failed: uncompiled)
     n = int(keep.sum(1).max())  # columns after every row had finished are all padding
     return (ids[:, :n], keep[:, :n].long()) + ((logps[:, :n],) if return_logprobs else ())

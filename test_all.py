@@ -2007,6 +2007,46 @@ def test_grpo_state_that_cannot_fit_is_refused_naming_lora():
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.tie_word_embeddings
     assert checkpoint.parameter_count(path) == sum(p.numel() for p in model.parameters())
+    # one completion's K/V must fit beside the state: 1.5B-shaped (28 KiB a token), 30k tokens = 0.8 GiB; a 7B LoRA
+    # (56 KiB a token) at 32k + 256 on a GPU with 15 GiB free after its 14 GiB base is refused, naming the lengths
+    from rollout import kv_bytes_per_token
+    kv7 = kv_bytes_per_token(SimpleNamespace(head_dim=128, num_hidden_layers=28, num_key_value_heads=4))
+    kv15 = kv_bytes_per_token(SimpleNamespace(hidden_size=1536, num_attention_heads=12, num_hidden_layers=28,
+                                              num_key_value_heads=2))
+    assert (kv7, kv15) == (57344, 28672), (kv7, kv15)
+    assert config.memory_errors(cfg("--lora_r=16", "--max_completion_len=30000"), n, 1, 80 * gib, kv7) == []
+    err = config.memory_errors(cfg("--lora_r=16", "--max_completion_len=32768"), n, 1, 15.5 * gib, kv7)
+    assert len(err) == 1 and all(w in err[0] for w in ("--max_completion_len=32768", "1.8 GiB", "57344")), err
+
+
+@check
+@_kv_one_thread
+def test_rollout_in_waves_equals_one_call():
+    """batching.rollout under a K/V budget (--rollout_kv_gib) smaller than the batch's: waves of whole groups, or a
+    group in parts of its rows when one group does not fit, give the rows one call gives (greedy, float32; prompts
+    of mixed lengths, rows of different lengths: each wave right-padded to the longest); a budget under one row is
+    refused with the numbers before anything runs"""
+    import batching
+    import rollout
+    G, T = 4, 10
+    model = _kv_model("qwen2")
+    prompt_ids, prompt_mask, _, _ = _kv_batch(G=G, prompt_lens=(7, 2, 4), seed=3)
+    eos = sorted({row[4] for row in _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=99999)})[:2]
+    kv = rollout.kv_bytes_per_token(model.config, 4)
+    one = batching.rollout(model, prompt_ids, prompt_mask, G, T, 0.0, 1.0, eos, 0)
+    assert rollout.LAST["waves"] == 1 and one["completion_mask"].sum(1).min() < T, "no row ended early"
+    for groups, rows, calls in ((2, G, 2), (0, 3, 6), (0, 1, 12)):  # budget: 2 groups; 3 rows of a group; 1 row
+        gib = kv * (groups * (7 + G * (T - 1)) if groups else 7 + rows * (T - 1)) / 2**30
+        buf = batching.rollout(model, prompt_ids, prompt_mask, G, T, 0.0, 1.0, eos, 0, kv_gib=gib)
+        assert rollout.LAST["waves"] == calls, (groups, rows, rollout.LAST["waves"])
+        for k in ("completion_ids", "completion_mask", "truncated", "prompt_ids"):
+            assert torch.equal(buf[k], one[k]), f"{groups} groups / {rows} rows a wave: {k}"
+        assert_close(buf["sampler_logp"], one["sampler_logp"], 1e-5, f"{groups} groups / {rows} rows: log-probs")
+    try:
+        batching.rollout(model, prompt_ids, prompt_mask, G, T, 0.0, 1.0, eos, 0, kv_gib=kv * 12 / 2**30)
+        raise AssertionError("a budget under one row was not refused")
+    except torch.cuda.OutOfMemoryError as e:
+        assert all(w in str(e) for w in ("10 tokens", "7-token prompt", f"{kv} bytes a token")), e
 
 
 @check
