@@ -293,17 +293,20 @@ def eos_tensor(eos_token_id, device):
 
 
 def kv_bytes_per_token(config, dtype_bytes=2):
-    """one token's K and V over all layers: 2 * layers * K/V heads * head_dim * dtype bytes (1.5B: 28 KiB in bf16)"""
-    D = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * D * dtype_bytes
+    """one token's K and V: 2 * layers * K/V heads * head_dim * dtype bytes (1.5B: 28 KiB in bf16); 0: unknown"""
+    n = [getattr(config, k, None) for k in ("num_hidden_layers", "num_attention_heads", "hidden_size")]
+    if None in n:
+        return 0
+    D = getattr(config, "head_dim", None) or n[2] // n[1]
+    return 2 * n[0] * (getattr(config, "num_key_value_heads", None) or n[1]) * D * dtype_bytes
 
 
 def waves(B, G, P, T, kv_token, budget):
-    """how B groups of G rows (P prompt columns, T new tokens) keep their K/V within budget bytes (None: no cap):
-    [(b0, b1, rows)], the prompts b0:b1 sampled together, each group's G rows in parts of `rows`. Whole groups while
-    one fits (its rows share the prompt's K/V); else each group in parts, a part prefilling the prompt again."""
+    """[(b0, b1, rows)]: B groups of G rows (P prompt columns, T new tokens), K/V within budget bytes (None: no cap):
+    the prompts b0:b1 together, whole groups while one fits (its rows share the prompt's K/V), else each group in parts
+    of `rows` rows, a part prefilling the prompt again"""
     group = kv_token * (P + G * max(T - 1, 1))  # the prompt once + G completion caches of T-1 columns
-    if budget is None or B * group <= budget:
+    if budget is None or B * group <= budget:  # (kv_token 0: a config without the fields, unknown: no cap)
         return [(0, B, G)]
     if group <= budget:
         n = int(budget // group)
@@ -328,8 +331,6 @@ def generate_in_waves(model, prompt_ids, prompt_mask, group_size, max_new_tokens
                             eos_token_id=eos_token_id, pad_token_id=pad_token_id, return_logprobs=True, **kw)
             for b0, b1, rows in plan for g0 in range(0, G, rows)]
     LAST["waves"] = len(outs)
-    if len(outs) == 1:
-        return outs[0]
     pad = pad_token_id if pad_token_id is not None else int(eos_tensor(eos_token_id, prompt_ids.device)[0])
     C = max(o[0].shape[1] for o in outs)
     return tuple(torch.cat([F.pad(o[i], (0, C - o[i].shape[1]), value=pad if i == 0 else 0) for o in outs])

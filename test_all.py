@@ -2010,7 +2010,8 @@ def test_grpo_state_that_cannot_fit_is_refused_naming_lora():
     # one completion's K/V must fit beside the state: 1.5B-shaped (28 KiB a token), 30k tokens = 0.8 GiB; a 7B LoRA
     # (56 KiB a token) at 32k + 256 on a GPU with 15 GiB free after its 14 GiB base is refused, naming the lengths
     from rollout import kv_bytes_per_token
-    kv7 = kv_bytes_per_token(SimpleNamespace(head_dim=128, num_hidden_layers=28, num_key_value_heads=4))
+    kv7 = kv_bytes_per_token(SimpleNamespace(hidden_size=3584, num_attention_heads=28, num_hidden_layers=28,
+                                             num_key_value_heads=4))
     kv15 = kv_bytes_per_token(SimpleNamespace(hidden_size=1536, num_attention_heads=12, num_hidden_layers=28,
                                               num_key_value_heads=2))
     assert (kv7, kv15) == (57344, 28672), (kv7, kv15)
