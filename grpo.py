@@ -249,7 +249,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     from transformers import AutoConfig
 
     from batching import prepare_buffer, update_step
-    from kv_reuse import checkpointing_enable, compile_layers
+    from kv_reuse import checkpointing_enable
     from rollout import kv_bytes_per_token
     r, world = rank(), world_size()
     ckpt = rank0_value(checkpoint.prepare_out_dir(cfg) if r == 0 else None)  # the others wait for rank 0's recovery
@@ -283,8 +283,6 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
             lora.load_adapter(policy, ckpt)
     if cfg.gradient_checkpointing:
         checkpointing_enable(policy)
-    if cfg.compile and dev.type == "cuda":  # the update's decoder layers (the decode compiles its own in rollout)
-        compile_layers(policy)
     if sharded:
         shard_model(policy, dt, dev)
     ref_model = None

@@ -16,7 +16,6 @@ Attention in the completion pass: each of the B*G rows attends its prompt (P-1 k
 lower-right causal: HF's mask from our 2D (B*G, P-1+C) padding mask, or none if no prompt is padded (LowerRightCausal).
 """
 import contextlib
-import functools
 import inspect
 import json
 import math
@@ -41,7 +40,6 @@ class CaptureLayer(DynamicLayer):
     """Prefill cache layer: keeps the first K/V it sees (with their graph) and never grows. A checkpoint recompute
     calls update() again with recomputed tensors; those are returned for the recomputed attention, not stored."""
 
-    @torch.compiler.disable  # it stores into the layer: eager (a graph break), not replayed by compiled code
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.keys, self.values, self.is_initialized = key_states, value_states, True
@@ -95,7 +93,6 @@ class LowerRightCausal(torch.Tensor):
             return func(*args, **kwargs)
 
 
-@torch.compiler.disable  # (CausalBias cannot be built inside a graph: the attention runs eager, between two graphs)
 def lower_right_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' "sdpa" attention, except for a LowerRightCausal mask: there the K/V heads go to SDPA as they are
     (enable_gqa), where HF's sdpa repeats them to the query heads whenever a mask is given (use_gqa_in_sdpa): for
@@ -149,47 +146,6 @@ def cache_through_checkpoint(trunk):
                 del layer._can_checkpoint_with_cache  # back to the class default
             else:
                 layer._can_checkpoint_with_cache = v
-
-
-def compile_layers(model, backend="inductor"):
-    """Each decoder layer's training forward (with gradients) through one torch.compile function shared by every layer
-    (dynamo guards on the layer's type, not on which one: one compile serves the depth). It fuses the ~40 small kernels
-    a layer runs eagerly (RMSNorm in float32, RoPE, SiLU * up, residual adds, dtype casts) in
-    forward, backward and a checkpoint's recompute; the attention and CaptureLayer.update stay eager between graphs.
-    Without gradients (rollout's prefill, fill_logprobs, eval) the layer runs as it was. Checkpointing stays outside
-    the graph: transformers 5.17 checkpoints in GradientCheckpointingLayer.__call__ (around this forward), later
-    versions in a wrapper of the class's forward, which this replaces, so here it checkpoints the same way itself.
-    Not with LoRA (PEFT layers): the compiled layer gave the adapters wrong gradients (torch 2.11/2.13, inductor)."""
-    if any(hasattr(m, "lora_A") for m in model.modules()):
-        return
-    for layer in model.model.layers:
-        layer.forward = functools.partial(layer_forward, layer, backend)
-
-
-COMPILED_LAYER = {}  # (a decoder layer's plain forward, backend) -> its torch.compile wrapper
-
-
-def unspec_ints(fn, *args, **kwargs):
-    """fn(*args, **kwargs) traced with the layer's int attributes (layer_idx) symbolic and no duck sizing: otherwise
-    every layer recompiles (guard self.layer_idx == i) and past torch's recompile_limit (8) the rest run eager"""
-    from torch.fx.experimental import _config as fx_config
-    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), fx_config.patch(use_duck_shape=False):
-        return fn(*args, **kwargs)
-
-
-def layer_forward(layer, backend, *args, **kwargs):
-    """compile_layers' forward of one layer"""
-    if not (torch.is_grad_enabled() and layer.training):
-        return type(layer).forward(layer, *args, **kwargs)
-    plain, wrapped = type(layer).forward, False
-    while plain.__code__.co_name == "forward_with_checkpointing":  # (FSDP2's subclass of a layer wraps it again)
-        plain, wrapped = plain.__wrapped__, True
-    if (plain, backend) not in COMPILED_LAYER:
-        COMPILED_LAYER[plain, backend] = torch.compile(plain, backend=backend, dynamic=True)
-    run = functools.partial(unspec_ints, COMPILED_LAYER[plain, backend], layer, **kwargs)
-    if wrapped and layer.gradient_checkpointing:  # as forward_with_checkpointing would (our caches may pass)
-        return layer._gradient_checkpointing_func(run, *args)
-    return run(*args)
 
 
 def checkpointing_enable(model, use_reentrant=False):
@@ -276,11 +232,9 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
     with cache_through_checkpoint(trunk):
         # 1) prefill prompt[:, :-1] once per group; CaptureLayer keeps each layer's K/V with its graph
         capture = Cache(layers=[CaptureLayer() for _ in trunk.layers])
-        capture.update = torch.compiler.disable(capture.update)
         trunk(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1], position_ids=pos[:, :-1],
               **cache_arg(trunk, capture), use_cache=False)
         prefix = Cache(layers=[PrefixLayer(l.keys, l.values, G) for l in capture.layers])
-        prefix.update = torch.compiler.disable(prefix.update)
         # 2) completion pass: [last prompt token, completion[:-1]] (B*G, C) on top of the prefix
         ids = torch.cat([prompt_ids[:, -1:].repeat_interleave(G, 0), completion_ids[:, :-1]], dim=1)
         mask = torch.cat([prompt_mask[:, :-1].repeat_interleave(G, 0), prompt_mask[:, -1:].repeat_interleave(G, 0),
