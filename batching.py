@@ -30,6 +30,12 @@ ROW_KEYS = ("completion_ids", "completion_mask", "truncated", "advantages", "los
             "entropy_mask", "sampler_logp")
 
 
+def free_gpu_bytes(dev):
+    """what this process can still allocate on a CUDA device: the driver's free memory + what our caching allocator
+    holds unused (what other processes hold is not ours)"""
+    return torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+
+
 @torch.no_grad()
 def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature, top_p, eos_token_id,
             pad_token_id, compile=True, kv_gib=0.0):
@@ -38,8 +44,7 @@ def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temp
     decode kernels, not the training forward's); decode: the path that sampled it (rollout.LAST["path"]). K/V of at
     most kv_gib GiB live at once (0: 80% of the GPU memory free now; none on the CPU): more in waves."""
     dev = prompt_ids.device
-    budget = kv_gib * 2**30 if kv_gib > 0 else None if dev.type != "cuda" else 0.8 * (
-        torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
+    budget = kv_gib * 2**30 if kv_gib > 0 else 0.8 * free_gpu_bytes(dev) if dev.type == "cuda" else None
     completion_ids, completion_mask, sampler_logp = generate_in_waves(
         model, prompt_ids, prompt_mask, group_size, max_completion_len, budget, eos_token_id, pad_token_id,
         temperature=temperature, top_p=top_p, compile=compile)  # (B*G, C) each

@@ -248,7 +248,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
 
     from transformers import AutoConfig
 
-    from batching import prepare_buffer, update_step
+    from batching import free_gpu_bytes, prepare_buffer, update_step
     from kv_reuse import checkpointing_enable
     from rollout import kv_bytes_per_token
     r, world = rank(), world_size()
@@ -270,8 +270,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         except Exception as e:  # noqa: BLE001 - a check that cannot count must not stop a run that may fit
             n_params = kv_token = 0
             print(f"(memory check skipped: {base} did not build on the meta device: {type(e).__name__}: {e})")
-        free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-        errors = memory_errors(cfg, n_params, world, free, kv_token)  # (free: what other processes hold is not ours)
+        errors = memory_errors(cfg, n_params, world, free_gpu_bytes(dev), kv_token)
         if errors:
             raise ValueError("bad config:\n  " + "\n  ".join(errors))
     checkpoint.open_trackers(cfg, state["step"] if state else 0)  # --report_to (rank 0's); train's finally closes
