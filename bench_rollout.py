@@ -15,6 +15,7 @@ import sys
 
 import torch
 import triton
+import triton.testing
 
 from kv_reuse import sync
 from rollout import LAST, generate_groups
@@ -61,14 +62,7 @@ def copy_bandwidth():
         return None
     x = torch.empty(2**30, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
-    y.copy_(x)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(10):
-        y.copy_(x)
-    b.record()
-    torch.cuda.synchronize()
-    return 2 * 10 * x.numel() / (a.elapsed_time(b) / 1e3)
+    return 2 * x.numel() / (triton.testing.do_bench(lambda: y.copy_(x)) / 1e3)
 
 
 def decode_bytes(model, prompt_mask, keep, G):

@@ -8,7 +8,8 @@ matmul parameters, tokens each prompt once + its completions, per pass, k = 6 (f
 4 for LoRA (no weight gradient for the frozen base); checkpointing's recompute is a cost, not floor. Phases (ranges
 set here, none in the library): the GPU time of the kernels launched in prompt (kv_reuse's prompt pass), forward (the
 rest of the micro-batches' forwards), lm_head (the log-prob kernel, both ways), optimizer (clip + AdamW), backward
-(the rest of update_step); idle = its wall with no kernel running.
+(the rest of update_step); comm: NCCL's kernels (2 GPUs: FSDP2's reduce-scatters, overlapping the backward); idle =
+its wall with no kernel running.
 """
 import functools
 import json
@@ -19,12 +20,13 @@ import bench_e2e
 
 GC = "--gradient_checkpointing=True"
 cell = lambda B, G, C, *more: [f"--prompts_per_step={B}", f"--group_size={G}", f"--max_completion_len={C}", *more]
-CELLS = {  # name: (model (a bench_e2e family), grpo flags)
-    "1.5B full 16x8x1024 gc": ("qwen2.5-1.5b", cell(16, 8, 1024, GC)),
-    "1.5B full 16x8x1024 mbt=16384": ("qwen2.5-1.5b", cell(16, 8, 1024, "--micro_batch_tokens=16384")),
-    "7B lora 8x8x1024 gc": ("qwen2.5-7b", cell(8, 8, 1024, GC, "--lora_r=16")),
-    "1.5B full 8x16x4096 gc": ("qwen2.5-1.5b", cell(8, 16, 4096, GC)),
-    "135M default 32x16x64": ("smollm2-135m", cell(32, 16, 64)),  # the default run's shape
+CELLS = {  # name: (model (a bench_e2e family), grpo flags, processes (torchrun: FSDP2, rank 0's numbers, per GPU))
+    "1.5B full 16x8x1024 gc": ("qwen2.5-1.5b", cell(16, 8, 1024, GC), 1),
+    "1.5B full 16x8x1024 mbt=16384": ("qwen2.5-1.5b", cell(16, 8, 1024, "--micro_batch_tokens=16384"), 1),
+    "7B lora 8x8x1024 gc": ("qwen2.5-7b", cell(8, 8, 1024, GC, "--lora_r=16"), 1),
+    "1.5B full 8x16x4096 gc": ("qwen2.5-1.5b", cell(8, 16, 4096, GC), 1),
+    "135M default 32x16x64": ("smollm2-135m", cell(32, 16, 64), 1),  # the default run's shape
+    "1.5B full 32x8x1024 gc 2 GPUs": ("qwen2.5-1.5b", cell(32, 8, 1024, GC), 2),  # weak: 16 groups a GPU, as above
 }
 PHASES = ("lm_head", "prompt", "optimizer", "forward", "update")  # innermost first: a kernel counts in the first
 
@@ -38,12 +40,13 @@ def gpu_phases(trace):
               and e.get("name") in PHASES]
     launch = {e["args"]["correlation"]: e["ts"] for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")
               and "correlation" in e.get("args", {})}
-    out, busy = dict.fromkeys(("prompt", "forward", "lm_head", "backward", "optimizer", "idle"), 0.0), []
+    out, busy = dict.fromkeys(("prompt", "forward", "lm_head", "backward", "optimizer", "comm", "idle"), 0.0), []
     for k in (e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
         t = launch.get(k.get("args", {}).get("correlation"))
         names = {n for a, b, n in ranges if t is not None and a <= t <= b}
         if "update" in names:
-            out[next(n for n in PHASES if n in names).replace("update", "backward")] += k["dur"] / 1e6
+            phase = "comm" if "nccl" in k["name"].lower() else next(n for n in PHASES if n in names)
+            out[phase.replace("update", "backward")] += k["dur"] / 1e6
             busy.append((k["ts"], k["ts"] + k["dur"]))
     wall, end = sum(b - a for a, b, n in ranges if n == "update") / 1e6, 0.0
     for a, b in sorted(busy):  # the union of the kernels' intervals: the rest of the wall is idle
@@ -109,9 +112,12 @@ def run(args):
     for fn in (kernel._FusedLogprobs, logprobs._ChunkedLogprobs):
         fn.forward, fn.backward = (staticmethod(ranged("lm_head", f)) for f in (fn.forward, fn.backward))
     grpo.train(args)
-    out_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--out_dir="))
     if seen.get("profiling"):
         prof.stop()
+    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 reports (a profiled rank 1 crashed in teardown once)
+        os._exit(0)
+    out_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--out_dir="))
+    if seen.get("profiling"):
         prof.export_chrome_trace(os.path.join(out_dir, "trace.json"))
     recs = [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl")) if line.strip()]
     timed = [r for r in recs if "gen_s" in r][-2]  # step 3: step 4 ran under the profiler
@@ -147,10 +153,10 @@ def main(words):
           f"flags: {' '.join(extra) or 'the cells own'}")
     print(f"| {'cell':<32} | {'gen s':>6} {'floor':>6} {'frac':>5} | {'upd s':>6} {'floor':>6} {'frac':>5} | "
           f"{'step':>5} | {'GiB':>5} | update phases, % of its wall")
-    for name, (model, flags) in cells.items():
+    for name, (model, flags, nproc) in cells.items():
         label = " ".join([name, *extra])  # (its own out_dir and log: a run with other flags keeps this one's)
         out_dir = os.path.join(bench_e2e.BENCH_DIR, "step", "".join(c if c.isalnum() else "_" for c in label))
-        row = bench_e2e.run_cell(label, model, flags + extra + ["--max_steps=4"], 1, out_dir, __file__)
+        row = bench_e2e.run_cell(label, model, [*flags, *extra, "--max_steps=4"], nproc, out_dir, __file__)
         if not os.path.exists(os.path.join(out_dir, "step.json")):
             print(f"| {name:<32} | ERROR {row.get('why', '')}", flush=True)
             continue
