@@ -204,24 +204,24 @@ def micro_batch_parts(buf, b0, b1, cfg):
     return parts
 
 
-def completion_logprobs(model, mb, idx, temperature, logprob_impl, kv_reuse, entropy):
-    """log pi(token) of the N completion tokens at idx (N,) (their positions in the flattened (B*G, C) completions),
-    response-only (slime #2076): padding never costs a logits row. Returns (logp (N,), ent (N,) or None)."""
-    args = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"], mb["group_size"], idx,
+def completion_logprobs(model, mb, keep, temperature, logprob_impl, kv_reuse, entropy):
+    """log pi(token) of the completion tokens where keep (B*G, C) is True, response-only (slime #2076): padding never
+    costs a logits row. Returns (logp (N,), ent (N,) or None), N = keep.sum(), row-major."""
+    args = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"], mb["group_size"], keep,
             temperature, logprob_impl, kv_reuse, entropy)
     if "logprobs_forward" in vars(model):  # FSDP2 (grpo.shard_model): the same function, as a forward of the root
         return model.logprobs_forward(*args)
     return logprobs_forward(model, *args)
 
 
-def logprobs_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size, idx, temperature,
+def logprobs_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size, keep, temperature,
                      logprob_impl, kv_reuse, entropy):
     """completion_logprobs' body; under FSDP2 a forward method of the root (grpo.shard_model says why)"""
     h = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size,
-                          reuse=kv_reuse).flatten(0, 1)[idx]  # (B*G, C, H) -> (N, H): the only rows the LM head sees
+                          reuse=kv_reuse)[keep]  # (B*G, C, H) -> (N, H): the only rows the LM head ever sees
     weight = model.get_output_embeddings().weight  # (V, H)
-    return token_logprobs(h.to(weight.dtype), weight, completion_ids.flatten()[idx], temperature=temperature,
-                          entropy=entropy, impl=logprob_impl)
+    return token_logprobs(h.to(weight.dtype), weight, completion_ids[keep], temperature=temperature, entropy=entropy,
+                          impl=logprob_impl)
 
 
 @contextlib.contextmanager
@@ -244,8 +244,7 @@ def fill_logprobs(model, buf, key, mbs, cfg, entropy=False):
     ents = torch.zeros_like(out) if entropy else None
     for r0, mb in (part for b0, b1 in mbs for part in micro_batch_parts(buf, b0, b1, cfg)):
         keep = mb["completion_mask"].bool()  # (rows, C_mb)
-        idx = keep.flatten().nonzero()[:, 0]  # (N,)
-        logp, ent = completion_logprobs(model, mb, idx, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse, entropy)
+        logp, ent = completion_logprobs(model, mb, keep, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse, entropy)
         out[r0:r0 + len(keep), :keep.shape[1]][keep] = logp.float()  # (a view of out, written through)
         if entropy:
             ents[r0:r0 + len(keep), :keep.shape[1]][keep] = ent.float()
@@ -301,18 +300,18 @@ def micro_batch_loss(model, mb, cfg):
         k3 = exp(ref - logp) - (ref - logp) - 1   (unbiased, always >= 0 KL estimate, Schulman)
     Without old_logp (one update per generation) old = logp.detach(): ratio exactly 1, gradient A * grad(logp)."""
     keep = mb["loss_weights"] > 0  # (B*G, C): loss mask 1 (masked truncated rows drop out here, before the LM head)
-    idx = keep.flatten().nonzero()[:, 0]  # (N,) the one host sync, before the forward (x[keep] syncs at each use)
-    at = lambda x: x.expand_as(keep).reshape(-1)[idx]  # noqa: E731 - (B*G, C) or (B*G, 1) -> (N,)
-    logp, ent = completion_logprobs(model, mb, idx, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse, True)
+    logp, ent = completion_logprobs(model, mb, keep, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse, True)
     logp = logp.float()  # (N,)
-    adv, w = at(mb["advantages"][:, None]), at(mb["loss_weights"])  # (N,)
-    old = at(mb["old_logp"]) if "old_logp" in mb else logp.detach()
-    ent_mask = at(mb["entropy_mask"]).float() if "entropy_mask" in mb else None  # (N,)
+    adv = mb["advantages"][:, None].expand_as(keep)[keep]  # (N,)
+    w = mb["loss_weights"][keep]  # (N,)
+    old = mb["old_logp"][keep] if "old_logp" in mb else logp.detach()
+    ent_mask = mb["entropy_mask"][keep].float() if "entropy_mask" in mb else None  # (N,)
     per_token, ratio = policy_loss(logp, old, adv, keep, cfg, ent_mask)
-    # stats: detached 0-dim tensors, weighted like the loss (whole-batch means too); update_step reads all in one sync
+    # stats are detached 0-dim tensors, weighted like the loss so they are whole-batch means too; update_step
+    # reads them all in one host sync, so the next micro-batch's forward is queued while this backward runs
     stats = {}
     if "sampler_logp" in mb:  # sampler vs trainer: one policy, two sets of kernels (TRL's sampling_logp_difference)
-        sampler = at(mb["sampler_logp"])
+        sampler = mb["sampler_logp"][keep]
         delta = (old - sampler).abs()
         stats["sampling_logp_diff"], stats["sampling_logp_diff_max"] = (delta * w).sum(), delta.max()
         if cfg.vllm_importance_sampling_correction:  # applied to the policy loss, before the KL term, as TRL does
@@ -320,7 +319,7 @@ def micro_batch_loss(model, mb, cfg):
             per_token = per_token * is_w
             stats["is_ratio"], stats["is_ratio_min"], stats["is_ratio_max"] = (is_w * w).sum(), is_w.min(), is_w.max()
     if cfg.beta > 0:
-        d = at(mb["ref_logp"]) - logp
+        d = mb["ref_logp"][keep] - logp
         kl = torch.exp(d) - d - 1
         per_token = per_token + cfg.beta * kl
         stats["kl"] = (kl.detach() * w).sum()

@@ -1654,8 +1654,7 @@ def test_grpo_on_policy_ratio_is_exactly_one():
     g_loss = torch.cat([p.grad.flatten() for p in model.parameters()])
     model.zero_grad()
     keep = mb["loss_weights"] > 0
-    logp, _ = batching.completion_logprobs(model, mb, keep.flatten().nonzero()[:, 0], cfg.temperature, "naive", False,
-                                           False)
+    logp, _ = batching.completion_logprobs(model, mb, keep, cfg.temperature, "naive", False, False)
     adv = mb["advantages"][:, None].expand_as(keep)[keep]
     (-(mb["loss_weights"][keep] * adv * logp).sum()).backward()
     g_pg = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -2076,7 +2075,7 @@ def test_lora_gradients_equal_peft():
         for impl in ("chunked", "fused"):
             ours.zero_grad(set_to_none=True)
             logp, _ = batching.logprobs_forward(ours, prompt_ids, prompt_mask, completion_ids, completion_mask, G,
-                                                keep.flatten().nonzero()[:, 0], 1.0, impl, reuse, False)
+                                                keep, 1.0, impl, reuse, False)
             assert_close(logp, ref, 1e-5, f"logp reuse={reuse} {impl}")
             (logp * w).sum().backward()
             got = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
@@ -2086,8 +2085,8 @@ def test_lora_gradients_equal_peft():
     ours.eval()
     with lora.disabled(ours), pm.disable_adapter():
         base = _peft_logp(pm, prompt_ids, prompt_mask, completion_ids, completion_mask, G)[keep]
-        logp, _ = batching.logprobs_forward(ours, prompt_ids, prompt_mask, completion_ids, completion_mask, G,
-                                            keep.flatten().nonzero()[:, 0], 1.0, "chunked", True, False)
+        logp, _ = batching.logprobs_forward(ours, prompt_ids, prompt_mask, completion_ids, completion_mask, G, keep,
+                                            1.0, "chunked", True, False)
     assert_close(logp, base, 1e-5, "adapters disabled")
     assert (logp - ref).abs().max() > 1e-3, "disabling the adapters changed nothing: the check cannot fail"
     assert all(p.requires_grad == ("lora_" in n) for n, p in ours.named_parameters()), "adapters left off"
