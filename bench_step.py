@@ -132,8 +132,8 @@ def run(args):
         (a.split("=")[1] for a in args if a.startswith("--num_iterations=")), 1))
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * D * 2  # bytes of one token's K and V (bf16)
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()  # what a decode step reads
-                  if "embed_tokens" not in n or cfg.tie_word_embeddings)
+    weights = sum(2 * p.numel() for n, p in model.named_parameters()  # what a decode step reads, bf16 (FSDP2's
+                  if "embed_tokens" not in n or cfg.tie_word_embeddings)  # parameters are float32 shards)
     P = [seen["P"][r // seen["G"]] for r in range(len(seen["C"]))]  # each row's prompt length
     kv_read = sum(p * c + c * (c - 1) / 2 for p, c in zip(P, seen["C"])) * kv_token  # a row's steps: P + t each
     bw = __import__("bench_rollout").spec_bandwidth() or float("nan")  # datasheet HBM bytes/s
