@@ -353,9 +353,7 @@ def backward(model, buf, mbs, cfg):
         # micro-batches runs its first group's first part again with its loss times 0 (zero gradient, same hooks and
         # collectives; a part, not the group: a group over the budget would not fit whole)
         runs += [None] * (int(global_sum(torch.tensor(len(runs), device=w_sum.device), "max")) - len(runs))
-    for i, run in enumerate(runs):
-        if units:  # FSDP2: accumulate unsharded (float32) and reduce-scatter once, after the last micro-batch
-            units[0].set_requires_gradient_sync(i == len(runs) - 1)
+    for run in runs:
         mb = run or micro_batch_parts(buf, mbs[0][0], mbs[0][0] + 1, cfg)[0][1]
         if run is None:  # some tokens, so the graph reaches every weight
             mb["loss_weights"] = mb["completion_mask"].float()
