@@ -4,7 +4,6 @@ CPU: a smoke run on a tiny model):
 
     python bench_rollout.py [WORKLOAD ...] [--no-hf]   # uniform, ragged, uniform-1.5B, trainer; --no-hf: ours only
     python bench_rollout.py rows [0.5B] [1.5B] [ROWS]  # ms per decode step at 128..8 (or ROWS) live rows vs roofline
-    python bench_rollout.py profile [1.5B]             # one decode step, kernel by kernel (torch.profiler)
     python bench_rollout.py lora [MODEL_DIR]           # decode tok/s with LoRA adapters folded in vs without
 
 The roofline of a workload is the sum over its decode steps of (weight bytes + live K/V bytes) / bandwidth
@@ -203,49 +202,6 @@ def bench_rows(shapes=("0.5B", "1.5B"), row_counts=(128, 64, 32, 16, 8), P=64, T
         sync()
 
 
-def bench_profile(shape="1.5B", row_counts=(128, 32, 8), P=64, T=512):
-    """`python bench_rollout.py profile [SHAPE]`: a decode step kernel by kernel (torch.profiler over a generate_groups
-    call after a warm-up; graphs and compile as in training; no EOS): wall ms, summed kernel time (the rest: gaps),
-    launches, and the kernels that take the most time, against the roofline's weight + K/V bytes."""
-    import time
-    from torch.profiler import ProfilerActivity, profile
-    shape = shape if CUDA else "tiny"
-    model = bench_model(shape)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    bw = spec_bandwidth() or copy_bandwidth() or math.nan
-    dev_time = lambda e: next((getattr(e, a) for a in ("self_device_time_total", "self_cuda_time_total")  # noqa
-                               if hasattr(e, a)), 0.0)  # (us; the attribute's name moved between torch versions)
-    print(f"decode-step profile on {torch.cuda.get_device_name() if CUDA else 'cpu'}: {shape}, P={P}, {T} new tokens, "
-          f"no EOS; roofline = (weights {weights / 1e9:.2f} GB + live K/V) / {bw / 1e12:.2f} TB/s")
-    for n in row_counts if CUDA else (8,):
-        G = min(n, 8)
-        prompt_ids = torch.randint(3, model.config.vocab_size, (n // G, P), device=DEV,
-                                   generator=torch.Generator(device=DEV).manual_seed(1))
-        run = lambda: generate_groups(model, prompt_ids, torch.ones_like(prompt_ids), G, T, eos_token_id=(),  # noqa
-                                      pad_token_id=0)
-        run()  # compiles (once per process) and captures
-        sync()
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])) as prof:
-            t0 = time.perf_counter()
-            run()
-            sync()
-            wall = time.perf_counter() - t0
-        steps = max(LAST["steps"], 1)
-        kernels = [e for e in prof.key_averages() if CUDA and e.device_type == torch.autograd.DeviceType.CUDA
-                   and dev_time(e) > 0]
-        busy = sum(dev_time(e) for e in kernels) / steps / 1e3  # ms a step
-        count = sum(e.count for e in kernels) / steps
-        D = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-        kv = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * D * 2 * (n * T / 2 + n // G * P)
-        roof = (weights + kv) / bw * 1e3
-        print(f"rows {n:4d}: {wall / steps * 1e3:.3f} ms/step wall (path {LAST.get('path')}), kernels {busy:.3f} ms "
-              f"busy in {count:.0f} launches, roofline {roof:.3f} ms (frac {roof / (wall / steps * 1e3):.2f})")
-        for e in sorted(kernels, key=dev_time, reverse=True)[:12]:
-            print(f"    {dev_time(e) / steps:8.1f} us/step  {e.count / steps:5.1f}x  "
-                  f"{dev_time(e) / e.count:7.1f} us each  {e.key[:110]}")
-        sys.stdout.flush()
-
-
 def bench_lora(path=None, r=16, B=8, G=8, P=64, T=1024):
     """`python bench_rollout.py lora [MODEL_DIR]`: the decode on a model (a bf16 HF directory, else the random 1.5B)
     with and without LoRA adapters (r=16, B random so the fold changes the weights): the decode folds each adapter
@@ -289,7 +245,5 @@ if __name__ == "__main__":
                    tuple(int(a) for a in argv[1:] if a.isdigit()) or (128, 64, 32, 16, 8))
     elif argv[:1] == ["lora"]:
         bench_lora(*argv[1:2])
-    elif argv[:1] == ["profile"]:
-        bench_profile(*argv[1:2], *[tuple(int(a) for a in argv[2:])] if argv[2:] else [])  # profile 1.5B 16 8
     else:
         main(argv)
