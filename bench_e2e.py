@@ -4,6 +4,7 @@ directories built from configs (no hub). CI has no GPU: run it before a change t
 grpo lands, with its table in the change's note.
 
     python bench_e2e.py [WORD ...] [-WORD ...]   # the cells whose name has every WORD and no -WORD; --list names them
+    python bench_e2e.py --streams=4              # the one-GPU cells in 4 streams over the GPUs: a check, no timing
     python bench_e2e.py --model qwen2.5-7b DIR   # just build a random-weight model directory (bench_fsdp.sh 7b)
 
 Each cell is a fresh process (torchrun for the 2-GPU cells, skipped with fewer GPUs), `--run-cell --key=value ...`:
@@ -20,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 BENCH_DIR = os.environ.get("BENCH_DIR", "/tmp/nanogrpo_e2e")
 SHAPES = {  # family: (config class, config); the layer count is the real model's
@@ -142,11 +144,16 @@ def cell_command(nproc, args, script=__file__):
     return launch + [os.path.abspath(script), "--run-cell"] + args
 
 
-def run_cell(name, model, flags, nproc, keep=None, script=__file__):
-    """one cell in a fresh process (script's --run-cell); returns its table row (dict). keep: an out_dir to leave"""
+def model_path(model):
+    """a cell's model ("family" or "family/layers") as a directory of BENCH_DIR, built on first use"""
     family, _, layers = model.partition("/")
-    model_dir = make_model_dir(family, os.path.join(BENCH_DIR, "models", model.replace("/", "_")),
-                               int(layers) if layers else None)
+    return make_model_dir(family, os.path.join(BENCH_DIR, "models", model.replace("/", "_")), int(layers or 0) or None)
+
+
+def run_cell(name, model, flags, nproc, keep=None, script=__file__, env=None):
+    """one cell in a fresh process (script's --run-cell); returns its table row (dict). keep: an out_dir to leave;
+    env: added to the process's environment"""
+    model_dir = model_path(model)
     slug = "".join(c if c.isalnum() else "_" for c in name)
     out_dir, log = keep or os.path.join(BENCH_DIR, "out", slug), os.path.join(BENCH_DIR, "logs", slug + ".txt")
     os.makedirs(os.path.dirname(log), exist_ok=True)
@@ -156,8 +163,8 @@ def run_cell(name, model, flags, nproc, keep=None, script=__file__):
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n\n")
         f.flush()
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=os.path.dirname(os.path.abspath(__file__))
-                            ).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=os.path.dirname(os.path.abspath(__file__)),
+                            env=dict(os.environ, **(env or {}))).returncode
     wall = time.time() - t0
     row = dict(cell=name, ok=rc == 0, wall=wall)
     recs = []
@@ -188,6 +195,7 @@ def print_row(r):
         nums = f"{'':6} {'':7} {'':7} {'':6} {'':5} {'':7}  {'':9}"
     status = "ok" if r["ok"] else "SKIP" if r.get("skipped") else "ERROR"
     print(f"| {r['cell']:<48} {status:<5} {nums} {r['wall']:5.0f}s {r.get('why', '')}", flush=True)
+    return r
 
 
 def main(args):
@@ -204,14 +212,20 @@ def main(args):
           f"{len(cells)} cells; base flags: {' '.join(BASE)}")
     print(f"| {'cell':<48} {'':<5} {'gen s':>6} {'gen1 s':>7} {'upd s':>7} {'GiB':>6} {'len':>5} {'gnorm':>7}  "
           f"{'decode':<16} wall")
-    rows = []
-    for name, (model, flags, nproc) in cells.items():
+    streams = int(next((a.split("=", 1)[1] for a in args if a.startswith("--streams=")), 1))
+    one = [k for k, v in cells.items() if v[2] == 1]  # (with streams: all built first, no two threads build one)
+    for model in sorted({cells[k][0] for k in one}) if streams > 1 else []:
+        model_path(model)
+
+    def row(name, s=0):  # stream s runs on GPU s % gpus
+        model, flags, nproc = cells[name]
         if nproc > max(gpus, 1) or (nproc > 1 and not gpus):
-            row = dict(cell=name, ok=False, skipped=True, wall=0, why=f"needs {nproc} GPUs, {gpus} here")
-        else:
-            row = run_cell(name, model, flags, nproc)
-        print_row(row)
-        rows.append(row)
+            return print_row(dict(cell=name, ok=False, skipped=True, wall=0, why=f"needs {nproc} GPUs, {gpus} here"))
+        env = {"CUDA_VISIBLE_DEVICES": str(s % gpus)} if streams > 1 and nproc == 1 and gpus else None
+        return print_row(run_cell(name, model, flags, nproc, env=env))
+    with ThreadPoolExecutor(streams) as pool:  # each stream its share of the one-GPU cells in turn, then the rest
+        rows = [r for rs in pool.map(lambda s: [row(k, s) for k in one[s::streams]], range(streams)) for r in rs]
+    rows += [row(k) for k in cells if k not in one]
     ran = [r for r in rows if not r.get("skipped")]
     print(f"{sum(r['ok'] for r in ran)} passed, {sum(not r['ok'] for r in ran)} failed, "
           f"{len(rows) - len(ran)} skipped")

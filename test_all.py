@@ -2932,6 +2932,35 @@ def test_bench_e2e_torchrun_cells_parse():
 
 
 @check
+def test_bench_e2e_streams_spread_the_one_gpu_cells():
+    """`bench_e2e.py --streams=3` on a 2-GPU box (run_cell recorded, not run): every selected cell runs once; the
+    one-GPU cells in 3 streams, stream s pinned to GPU s % 2 (CUDA_VISIBLE_DEVICES), each model built once before the
+    threads start; the torchrun cells after them with both GPUs; the table in the cells' order of streams"""
+    import tempfile
+    import bench_e2e
+    calls, built = [], []
+    saved = bench_e2e.run_cell, bench_e2e.make_model_dir, torch.cuda.device_count, torch.cuda.get_device_name
+    bench_e2e.run_cell = lambda name, model, flags, nproc, env=None: calls.append((name, nproc, env)) or dict(
+        cell=name, ok=True, wall=0.0)
+    bench_e2e.make_model_dir = lambda family, path, layers=None: built.append(path) or path
+    torch.cuda.device_count, torch.cuda.get_device_name = (lambda: 2), (lambda *a: "test GPU")
+    old_dir, bench_e2e.BENCH_DIR = bench_e2e.BENCH_DIR, tempfile.mkdtemp(prefix="nanogrpo_streams_")
+    try:
+        assert bench_e2e.main(["qwen2.5-1.5b", "--streams=3"])
+    finally:
+        bench_e2e.run_cell, bench_e2e.make_model_dir, torch.cuda.device_count, torch.cuda.get_device_name = saved
+        bench_e2e.BENCH_DIR = old_dir
+    want = [k for k in bench_e2e.CELLS if "qwen2.5-1.5b" in k]
+    one = [k for k in want if bench_e2e.CELLS[k][2] == 1]
+    assert sorted(c[0] for c in calls) == sorted(want) and len(calls) == len(want), calls
+    gpu = {name: env for name, nproc, env in calls}
+    assert all(gpu[k] == {"CUDA_VISIBLE_DEVICES": str(i % 3 % 2)} for i, k in enumerate(one)), gpu
+    assert all(gpu[k] is None for k in want if k not in one) and [c[0] for c in calls[len(one):]] == [
+        k for k in want if k not in one], calls
+    assert len(built) == len(set(built)) == len({bench_e2e.CELLS[k][0] for k in one}), built
+
+
+@check
 def test_bench_step_phases_from_a_trace():
     """bench_step.gpu_phases on a hand-made chrome trace: a kernel counts in the innermost range open when the host
     launched it (a backward kernel, launched on autograd's thread inside update only, is backward; one launched
@@ -2945,11 +2974,12 @@ def test_bench_step_phases_from_a_trace():
     for c, (t, start, dur) in enumerate(((5, 6, 4), (20, 21, 10), (35, 28, 6), (50, 51, 20), (90, 91, 3),
                                          (150, 151, 50), (205, 205, 2))):  # kernels 1 and 2 overlap by 3 us
         ev += [dict(cat="cuda_runtime", name="cudaLaunchKernel", ts=t, dur=1, args=dict(correlation=c)),
-               dict(cat="kernel", name=f"k{c}", ts=start, dur=dur, args=dict(correlation=c))]
+               dict(cat="kernel", name="ncclDevKernel_ReduceScatter" if c == 3 else f"k{c}", ts=start, dur=dur,
+                    args=dict(correlation=c))]  # (kernel 3: NCCL's, which counts as comm wherever launched)
     path = os.path.join(tempfile.mkdtemp(prefix="nanogrpo_trace_"), "trace.json")
     json.dump(dict(traceEvents=ev), open(path, "w"))
     phases, wall = bench_step.gpu_phases(path)
-    want = dict(prompt=4, forward=10, lm_head=6, backward=20 + 2, optimizer=3, idle=110 - (4 + 13 + 20 + 3 + 2))
+    want = dict(prompt=4, forward=10, lm_head=6, backward=2, comm=20, optimizer=3, idle=110 - (4 + 13 + 20 + 3 + 2))
     assert abs(wall - 110e-6) < 1e-12 and all(abs(phases[k] - v / 1e6) < 1e-12 for k, v in want.items()), (
         phases, wall)
 
