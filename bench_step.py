@@ -13,6 +13,7 @@ its wall with no kernel running.
 """
 import functools
 import json
+import math
 import os
 import sys
 
@@ -48,12 +49,17 @@ def gpu_phases(trace):
             phase = "comm" if "nccl" in k["name"].lower() else next(n for n in PHASES if n in names)
             out[phase.replace("update", "backward")] += k["dur"] / 1e6
             busy.append((k["ts"], k["ts"] + k["dur"]))
-    wall, end = sum(b - a for a, b, n in ranges if n == "update") / 1e6, 0.0
-    for a, b in sorted(busy):  # the union of the kernels' intervals: the rest of the wall is idle
-        out["idle"] -= (max(b, end) - max(a, end)) / 1e6
-        end = max(end, b)
-    out["idle"] += wall
+    wall = covered((a, b) for a, b, n in ranges if n == "update") / 1e6  # (a range on two threads counts once)
+    out["idle"] = wall - covered(busy) / 1e6  # the wall with no kernel running
     return out, wall
+
+
+def covered(intervals):
+    """the length of the union of (start, end) intervals"""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        total, end = total + max(b, end) - max(a, end), max(end, b)
+    return total
 
 
 def run(args):

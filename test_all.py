@@ -2964,13 +2964,14 @@ def test_bench_e2e_streams_spread_the_one_gpu_cells():
 def test_bench_step_phases_from_a_trace():
     """bench_step.gpu_phases on a hand-made chrome trace: a kernel counts in the innermost range open when the host
     launched it (a backward kernel, launched on autograd's thread inside update only, is backward; one launched
-    outside every update not at all); idle is the update's wall minus the union of its kernels' intervals"""
+    outside every update not at all; NCCL's is comm); idle is the update's wall (the union of its ranges) minus the
+    union of its kernels' intervals"""
     import json
     import tempfile
     import bench_step
     ev = [dict(cat="user_annotation", name=n, ts=a, dur=b - a) for n, a, b in (  # (us)
         ("update", 0, 100), ("forward", 0, 40), ("prompt", 0, 10), ("lm_head", 30, 40), ("optimizer", 80, 95),
-        ("update", 200, 210))]
+        ("update", 200, 210), ("update", 0, 100))]  # (the last: the first range again, as from a second thread)
     for c, (t, start, dur) in enumerate(((5, 6, 4), (20, 21, 10), (35, 28, 6), (50, 51, 20), (90, 91, 3),
                                          (150, 151, 50), (205, 205, 2))):  # kernels 1 and 2 overlap by 3 us
         ev += [dict(cat="cuda_runtime", name="cudaLaunchKernel", ts=t, dur=1, args=dict(correlation=c)),
