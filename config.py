@@ -273,7 +273,8 @@ def memory_errors(cfg, n_params, world, gpu_bytes, kv_token=0):
     weights or a bf16 run's masters, their gradients, AdamW's two moments) plus the 2 of a bf16 run's weights; FSDP2
     shards the 16 over the ranks, the gathered weights whole on each (ZeRO-2). LoRA: the frozen base in dtype alone.
     beta > 0 without LoRA: a reference model in dtype. And beside it the K/V of one completion (kv_token bytes a
-    token; the rollout samples in waves, a group in parts, but one row must fit). Necessary, not sufficient."""
+    token; the rollout samples in waves, a group in parts, but one row must fit, within rollout_kv_gib if set).
+    Necessary, not sufficient."""
     dt_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
     sharded = world > 1 and cfg.fsdp
     if cfg.lora_r:
@@ -283,6 +284,9 @@ def memory_errors(cfg, n_params, world, gpu_bytes, kv_token=0):
                            + (dt_bytes if cfg.beta > 0 else 0))
     gib = lambda b: f"{b / 2**30:.0f} GiB"  # noqa: E731
     row = kv_token * (cfg.max_prompt_len + cfg.max_completion_len)
+    if 0 < cfg.rollout_kv_gib * 2**30 < row:  # (the rollout would refuse it only after the weights load)
+        return [f"--rollout_kv_gib={cfg.rollout_kv_gib}: one completion's K/V ({kv_token} bytes a token) needs "
+                f"{row / 2**30:.2f} GiB; raise it or shorten --max_completion_len or --max_prompt_len"]
     if need <= gpu_bytes < need + row:
         return [f"--max_completion_len={cfg.max_completion_len} after --max_prompt_len={cfg.max_prompt_len}: one "
                 f"completion's K/V ({kv_token} bytes a token) needs {row / 2**30:.1f} GiB beside the training state's "

@@ -2018,6 +2018,9 @@ def test_grpo_state_that_cannot_fit_is_refused_naming_lora():
     assert config.memory_errors(cfg("--lora_r=16", "--max_completion_len=30000"), n, 1, 80 * gib, kv7) == []
     err = config.memory_errors(cfg("--lora_r=16", "--max_completion_len=32768"), n, 1, 15.5 * gib, kv7)
     assert len(err) == 1 and all(w in err[0] for w in ("--max_completion_len=32768", "1.8 GiB", "57344")), err
+    err = config.memory_errors(cfg("--max_completion_len=30000", "--rollout_kv_gib=0.5"), 1.5e9, 1, 80 * gib, kv15)
+    assert len(err) == 1 and all(w in err[0] for w in ("--rollout_kv_gib=0.5", "0.81 GiB")), err  # (30512 tokens)
+    assert config.memory_errors(cfg("--max_completion_len=30000", "--rollout_kv_gib=1"), 1.5e9, 1, 80 * gib, kv15) == []
 
 
 @check
