@@ -160,6 +160,9 @@ def main(words):
     print(f"| {'cell':<32} | {'gen s':>6} {'floor':>6} {'frac':>5} | {'upd s':>6} {'floor':>6} {'frac':>5} | "
           f"{'step':>5} | {'GiB':>5} | update phases, % of its wall")
     for name, (model, flags, nproc) in cells.items():
+        if nproc > max(torch.cuda.device_count(), 1):
+            print(f"| {name:<32} | SKIP: needs {nproc} GPUs", flush=True)
+            continue
         label = " ".join([name, *extra])  # (its own out_dir and log: a run with other flags keeps this one's)
         out_dir = os.path.join(bench_e2e.BENCH_DIR, "step", "".join(c if c.isalnum() else "_" for c in label))
         row = bench_e2e.run_cell(label, model, [*flags, *extra, "--max_steps=4"], nproc, out_dir, __file__)
