@@ -83,6 +83,8 @@ def make_model_dir(family, path, layers=None):
     tok.save_pretrained(tmp)
     os.replace(tmp, path)  # a killed build leaves no half directory that looks whole
     n = sum(p.numel() for p in model.parameters())
+    del model
+    torch.cuda.empty_cache()  # (else this process keeps the weights' memory reserved while the cells run beside it)
     print(f"built {path}: {family}, {config.num_hidden_layers} layers, {n / 1e9:.2f} B parameters", flush=True)
     return path
 
