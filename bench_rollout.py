@@ -17,7 +17,7 @@ import triton
 import triton.testing
 
 from kv_reuse import sync
-from rollout import LAST, generate_groups
+from rollout import LAST, generate_groups, kv_bytes_per_token
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -68,9 +68,7 @@ def decode_bytes(model, prompt_mask, keep, G):
     """bytes the decode steps must read, summed: every step reads each weight once (a tied embedding once, as the LM
     head) plus the K/V of its live rows: each live row's own s columns at step s, and the prompt of every group with
     a live row once (its G rows share it). keep (B*G, C): row r is fed at step s iff keep[r, s]."""
-    c = model.config
-    D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_tok = 2 * c.num_hidden_layers * c.num_key_value_heads * D * next(model.parameters()).element_size()
+    kv_tok = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() lists a tied one once
     live = keep[:, 1:].bool()  # (B*G, C-1): fed at steps 1..C-1
     steps = torch.arange(1, keep.shape[1], device=keep.device)

@@ -73,6 +73,7 @@ def run(args):
     import kernel
     import kv_reuse
     import logprobs
+    import rollout
     checkpoint.save_checkpoint = lambda *a, **k: None
     seen = {"steps": 0}
     steps = int(next(a.split("=")[1] for a in args if a.startswith("--max_steps=")))
@@ -136,8 +137,7 @@ def run(args):
                 and ("embed_tokens" not in n or cfg.tie_word_embeddings))  # the matrices a token runs through
     tokens = (sum(seen["P"]) + sum(seen["C"])) * int(next(  # kv_reuse: each prompt once + its G completions, a pass
         (a.split("=")[1] for a in args if a.startswith("--num_iterations=")), 1))
-    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * D * 2  # bytes of one token's K and V (bf16)
+    kv_token = rollout.kv_bytes_per_token(cfg, 2)  # bytes of one token's K and V (bf16)
     weights = sum(2 * p.numel() for n, p in model.named_parameters()  # what a decode step reads, bf16 (FSDP2's
                   if "embed_tokens" not in n or cfg.tie_word_embeddings)  # parameters are float32 shards)
     P = [seen["P"][r // seen["G"]] for r in range(len(seen["C"]))]  # each row's prompt length
