@@ -21,8 +21,8 @@ import torch
 
 import lora
 from dist import all_ranks, distributed, fsdp_modules, global_stats, global_sum, stat_op
-from kv_reuse import completion_hidden
-from rollout import LAST, eos_tensor, generate_in_waves
+from kv_reuse import compiled_pieces, completion_hidden
+from rollout import COMPILE_MIN_TOKENS, LAST, eos_tensor, generate_in_waves
 from logprobs import token_logprobs
 
 # per-completion entries of the buffer: (B*G, C) token tensors or (B*G,) row tensors
@@ -353,12 +353,14 @@ def backward(model, buf, mbs, cfg):
         # micro-batches runs its first group's first part again with its loss times 0 (zero gradient, same hooks and
         # collectives; a part, not the group: a group over the budget would not fit whole)
         runs += [None] * (int(global_sum(torch.tensor(len(runs), device=w_sum.device), "max")) - len(runs))
+    fused = cfg.compile and w_sum.is_cuda and cfg.max_completion_len >= COMPILE_MIN_TOKENS  # (as the decode's)
     for run in runs:
         mb = run or micro_batch_parts(buf, mbs[0][0], mbs[0][0] + 1, cfg)[0][1]
         if run is None:  # some tokens, so the graph reaches every weight
             mb["loss_weights"] = mb["completion_mask"].float()
         with oom_names_knob(cfg, f"in the loss of a micro-batch of {len(mb['prompt_ids'])} groups x "
-                                 f"{mb['group_size']} completions"):
+                                 f"{mb['group_size']} completions"), \
+                compiled_pieces(model) if fused else contextlib.nullcontext():
             loss, stats = micro_batch_loss(model, mb, cfg)
             (loss if run is not None else loss * 0).backward()
         if run is None:

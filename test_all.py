@@ -636,6 +636,59 @@ def test_kv_autocast_fp32_weights_matches_bf16():
                 assert_close(got[True][1][n], g, 2e-2, f"{arch} {lens} autocast grad {n}")
 
 
+def _kv_compiled_vs_eager(model, name):
+    """compiled_pieces' gradients against eager ones (GC on) over two batch shapes: the second recompiles, then a
+    checkpoint's recompute must replay its forward's graph (else a CheckpointError). aot_eager on the CPU (no
+    C++ compiler needed), inductor on a GPU. On exit every forward and RoPE is the model's own again."""
+    import functools
+    import sys
+    import kv_reuse
+    cpu = functools.cache(lambda fn: torch.compile(fn, backend="aot_eager", dynamic=True))
+    compiled, kv_reuse.compiled = kv_reuse.compiled, cpu if DEVICE == "cpu" else kv_reuse.compiled
+    kv_checkpointing_enable(model)
+    model.train()
+    module = sys.modules[type(model.model.layers[0]).__module__]
+    rope, G, frames = module.apply_rotary_pos_emb, 3, torch._dynamo.utils.counters["frames"]["ok"]
+    try:
+        for lens, seed in (((7, 1, 4), 3), ((7, 7, 7), 4), ((5, 5, 2), 5)):
+            batch = _kv_batch(G=G, prompt_lens=lens, seed=seed)
+            torch.manual_seed(seed)  # (dropout: the same draws both ways)
+            logp, want = _kv_loss_and_grads(model, batch, G, True)
+            torch.manual_seed(seed)
+            with kv_reuse.compiled_pieces(model):
+                got = _kv_loss_and_grads(model, batch, G, True)
+            assert_close(got[0], logp, 1e-5, f"{name} {lens} log-probs")
+            assert want and got[1].keys() == want.keys(), f"{name}: other parameters got gradients"
+            for n, g in want.items():
+                assert_close(got[1][n], g, 1e-5, f"{name} {lens} grad {n}")
+    finally:
+        kv_reuse.compiled = compiled
+    assert torch._dynamo.utils.counters["frames"]["ok"] > frames, f"{name}: nothing was compiled"
+    assert module.apply_rotary_pos_emb is rope and not any("forward" in vars(m) for m in model.model.modules()
+                                                           if type(m).__name__.endswith(("RMSNorm", "MLP")))
+
+
+@check
+@_kv_one_thread
+def test_kv_compiled_pieces_equal_eager():
+    """the update's RMSNorms, MLPs and RoPE compiled (kv_reuse.compiled_pieces, cfg.compile on a GPU) give the eager
+    gradients: llama, and qwen3 with its per-head q/k norms"""
+    for arch in ("llama", "qwen3"):
+        _kv_compiled_vs_eager(_kv_model(arch), arch)
+
+
+@check
+@_kv_one_thread
+def test_kv_compiled_pieces_lora_dropout():
+    """with LoRA and its dropout inside the compiled MLP: the compiled step draws the eager step's masks"""
+    if not _have("peft"):
+        raise Skip("peft not installed")
+    import lora
+    model = _kv_model("llama")
+    lora.add_lora(model, 4, 8, 0.5)
+    _kv_compiled_vs_eager(model, "llama lora dropout 0.5")
+
+
 def _kv_generate_reference(model, prompt_ids, prompt_mask, max_new_tokens, eos):
     """model.generate greedy on each prompt alone (unpadded), row by row"""
     rows = []
