@@ -175,7 +175,8 @@ def main(words):
         print(f"| {name:<32} | {r['gen']:6.2f} {r['gen_floor']:6.2f} {r['gen_floor'] / r['gen']:5.2f} | "
               f"{r['update']:6.2f} {r['update_floor']:6.2f} {r['update_floor'] / r['update']:5.2f} | "
               f"{(r['gen_floor'] + r['update_floor']) / (r['gen'] + r['update']):5.2f} | {r['peak']:5.1f} | {ph} "
-              f"(GEMM {r['rate'] / 1e12:.0f} TFLOP/s)", flush=True)
+              f"(GEMM {r['rate'] / 1e12:.0f} TFLOP/s; profiled: wall {wall:.2f} s, "
+              f"kernels {wall - phases.get('idle', 0):.2f} s)", flush=True)
 
 
 if __name__ == "__main__":
