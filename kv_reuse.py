@@ -160,7 +160,7 @@ def compiled_pieces(model):
     compiled variant than its forward did (CheckpointError, torch #166926); a pure piece replays its forward's graph.
     Set on the instances (RoPE: the model's module) for the update only; the rollout compiles its decode its own way."""
     mods = [m for m in model.model.modules() if type(m).__name__.endswith(("RMSNorm", "MLP"))]
-    module = sys.modules[type(model.model.layers[0]).__module__]
+    module = sys.modules[type(model.model.layers[0].self_attn).__module__]  # (FSDP2 subclasses the layer)
     rope = module.apply_rotary_pos_emb
     for m in mods:
         m.forward = compiled(type(m).forward).__get__(m)

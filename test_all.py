@@ -643,12 +643,17 @@ def _kv_compiled_vs_eager(model, name):
     import functools
     import sys
     import kv_reuse
-    cpu = functools.cache(lambda fn: torch.compile(fn, backend="aot_eager", dynamic=True))
-    compiled, kv_reuse.compiled = kv_reuse.compiled, cpu if DEVICE == "cpu" else kv_reuse.compiled
+    calls, compiled = [], kv_reuse.compiled
+
+    @functools.cache
+    def counted(fn):  # every call of a compiled piece counted
+        c = torch.compile(fn, backend="aot_eager", dynamic=True) if DEVICE == "cpu" else compiled(fn)
+        return functools.wraps(fn)(lambda *a, **k: calls.append(fn) or c(*a, **k))
+    kv_reuse.compiled = counted
     kv_checkpointing_enable(model)
     model.train()
-    module = sys.modules[type(model.model.layers[0]).__module__]
-    rope, G, frames = module.apply_rotary_pos_emb, 3, torch._dynamo.utils.counters["frames"]["ok"]
+    module = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    rope, G = module.apply_rotary_pos_emb, 3
     try:
         for lens, seed in (((7, 1, 4), 3), ((7, 7, 7), 4), ((5, 5, 2), 5)):
             batch = _kv_batch(G=G, prompt_lens=lens, seed=seed)
@@ -663,7 +668,7 @@ def _kv_compiled_vs_eager(model, name):
                 assert_close(got[1][n], g, 1e-5, f"{name} {lens} grad {n}")
     finally:
         kv_reuse.compiled = compiled
-    assert torch._dynamo.utils.counters["frames"]["ok"] > frames, f"{name}: nothing was compiled"
+    assert len(set(calls)) >= 3, f"{name}: compiled pieces called: {sorted({f.__qualname__ for f in calls})}"
     assert module.apply_rotary_pos_emb is rope and not any("forward" in vars(m) for m in model.model.modules()
                                                            if type(m).__name__.endswith(("RMSNorm", "MLP")))
 
@@ -672,9 +677,14 @@ def _kv_compiled_vs_eager(model, name):
 @_kv_one_thread
 def test_kv_compiled_pieces_equal_eager():
     """the update's RMSNorms, MLPs and RoPE compiled (kv_reuse.compiled_pieces, cfg.compile on a GPU) give the eager
-    gradients: llama, and qwen3 with its per-head q/k norms"""
+    gradients: llama, and qwen3 with its per-head q/k norms; and with each layer's class swapped for a subclass from
+    another module, as FSDP2's fully_shard does (RoPE is looked up in the attention's module)"""
     for arch in ("llama", "qwen3"):
         _kv_compiled_vs_eager(_kv_model(arch), arch)
+    model = _kv_model("llama")
+    for layer in model.model.layers:
+        layer.__class__ = type("FSDPLayer", (type(layer),), {"__module__": "torch.distributed.fsdp"})
+    _kv_compiled_vs_eager(model, "llama, layers subclassed")
 
 
 @check
