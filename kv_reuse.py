@@ -160,17 +160,20 @@ def compiled_pieces(model):
     compiled variant than its forward did (CheckpointError, torch #166926); a pure piece replays its forward's graph.
     Set on the instances (RoPE: the model's module) for the update only; the rollout compiles its decode its own way."""
     mods = [m for m in model.model.modules() if type(m).__name__.endswith(("RMSNorm", "MLP"))]
-    module = sys.modules[type(model.model.layers[0].self_attn).__module__]  # (FSDP2 subclasses the layer)
-    rope = module.apply_rotary_pos_emb
-    for m in mods:
-        m.forward = compiled(type(m).forward).__get__(m)
-    module.apply_rotary_pos_emb = compiled(rope)
+    attn = getattr(model.model.layers[0], "self_attn", None)
+    module = sys.modules[type(attn).__module__]  # (the attention's: FSDP2's fully_shard subclasses the layer)
+    rope = getattr(module, "apply_rotary_pos_emb", None)  # (a model without it: its norms and MLPs only)
     try:
+        for m in mods:
+            m.forward = compiled(type(m).forward).__get__(m)
+        if rope is not None:
+            module.apply_rotary_pos_emb = compiled(rope)
         yield
     finally:
         for m in mods:
-            del m.forward  # (the instance attribute: back to the class's)
-        module.apply_rotary_pos_emb = rope
+            m.__dict__.pop("forward", None)  # back to the class's
+        if rope is not None:
+            module.apply_rotary_pos_emb = rope
 
 
 def checkpointing_enable(model, use_reentrant=False):
