@@ -146,7 +146,9 @@ def run(args):
     res = dict(gen=timed["gen_s"], update=timed["update_s"], peak=max(r["peak_gib"] for r in recs if "peak_gib" in r),
                gen_floor=(max(seen["C"]) * weights + kv_read) / bw, rate=rate,
                update_floor=(4 if lora else 6) * n_mat * tokens / rate,
-               phases=gpu_phases(os.path.join(out_dir, "trace.json")) if dev and seen.get("profiling") else ({}, 1.0))
+               phases=gpu_phases(os.path.join(out_dir, "trace.json")) if dev and seen.get("profiling") else ({}, 1.0),
+               mem={k: torch.cuda.memory_stats().get(k, 0) if dev else 0  # the run's allocator retries and cudaFrees
+                    for k in ("num_alloc_retries", "num_device_free")})  # (each a device sync: idle GPU)
     json.dump(res, open(os.path.join(out_dir, "step.json"), "w"))
 
 
@@ -176,7 +178,7 @@ def main(words):
               f"{r['update']:6.2f} {r['update_floor']:6.2f} {r['update_floor'] / r['update']:5.2f} | "
               f"{(r['gen_floor'] + r['update_floor']) / (r['gen'] + r['update']):5.2f} | {r['peak']:5.1f} | {ph} "
               f"(GEMM {r['rate'] / 1e12:.0f} TFLOP/s; profiled: wall {wall:.2f} s, "
-              f"kernels {wall - phases.get('idle', 0):.2f} s)", flush=True)
+              f"kernels {wall - phases.get('idle', 0):.2f} s; allocator {r.get('mem')})", flush=True)
 
 
 if __name__ == "__main__":
