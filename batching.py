@@ -353,14 +353,14 @@ def backward(model, buf, mbs, cfg):
         # micro-batches runs its first group's first part again with its loss times 0 (zero gradient, same hooks and
         # collectives; a part, not the group: a group over the budget would not fit whole)
         runs += [None] * (int(global_sum(torch.tensor(len(runs), device=w_sum.device), "max")) - len(runs))
-    fused = cfg.compile and w_sum.is_cuda and cfg.max_completion_len >= COMPILE_MIN_TOKENS  # (as the decode's)
+    pieces = cfg.compile and w_sum.is_cuda and cfg.max_completion_len >= COMPILE_MIN_TOKENS  # as the decode compiles
     for run in runs:
         mb = run or micro_batch_parts(buf, mbs[0][0], mbs[0][0] + 1, cfg)[0][1]
         if run is None:  # some tokens, so the graph reaches every weight
             mb["loss_weights"] = mb["completion_mask"].float()
         with oom_names_knob(cfg, f"in the loss of a micro-batch of {len(mb['prompt_ids'])} groups x "
                                  f"{mb['group_size']} completions"), \
-                compiled_pieces(model) if fused else contextlib.nullcontext():
+                compiled_pieces(model) if pieces else contextlib.nullcontext():
             loss, stats = micro_batch_loss(model, mb, cfg)
             (loss if run is not None else loss * 0).backward()
         if run is None:
