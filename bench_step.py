@@ -143,12 +143,12 @@ def run(args):
     P = [seen["P"][r // seen["G"]] for r in range(len(seen["C"]))]  # each row's prompt length
     kv_read = sum(p * c + c * (c - 1) / 2 for p, c in zip(P, seen["C"])) * kv_token  # a row's steps: P + t each
     bw = __import__("bench_rollout").spec_bandwidth() or float("nan")  # datasheet HBM bytes/s
+    stats = torch.cuda.memory_stats() if dev else {}  # the run's allocator retries and cudaFrees
     res = dict(gen=timed["gen_s"], update=timed["update_s"], peak=max(r["peak_gib"] for r in recs if "peak_gib" in r),
                gen_floor=(max(seen["C"]) * weights + kv_read) / bw, rate=rate,
                update_floor=(4 if lora else 6) * n_mat * tokens / rate,
                phases=gpu_phases(os.path.join(out_dir, "trace.json")) if dev and seen.get("profiling") else ({}, 1.0),
-               mem={k: torch.cuda.memory_stats().get(k, 0) if dev else 0  # the run's allocator retries and cudaFrees
-                    for k in ("num_alloc_retries", "num_device_free")})  # (each a device sync: idle GPU)
+               mem={k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_free")})  # (each a device sync)
     json.dump(res, open(os.path.join(out_dir, "step.json"), "w"))
 
 

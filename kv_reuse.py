@@ -159,11 +159,12 @@ def compiled_pieces(model):
     layers: the cache update and attention break a layer's graph, and then a checkpoint's recompute may select another
     compiled variant than its forward did (CheckpointError, torch #166926); a pure piece replays its forward's graph.
     Set on the instances (RoPE: the model's module) for the update only; the rollout compiles its decode its own way."""
-    checked = not reuse_unsupported(model)  # llama, qwen2, qwen3: what this was run on; another model stays eager
-    mods = [m for m in model.model.modules() if checked and type(m).__name__.endswith(("RMSNorm", "MLP"))]
-    attn = model.model.layers[0].self_attn if checked else None
-    module = sys.modules[type(attn).__module__]  # (the attention's: FSDP2's fully_shard subclasses the layer)
-    rope = getattr(module, "apply_rotary_pos_emb", None) if checked else None
+    if reuse_unsupported(model):  # llama, qwen2, qwen3: what this was run on; another model's update stays eager
+        yield
+        return
+    mods = [m for m in model.model.modules() if type(m).__name__.endswith(("RMSNorm", "MLP"))]
+    module = sys.modules[type(model.model.layers[0].self_attn).__module__]  # (FSDP2's fully_shard subclasses layers)
+    rope = getattr(module, "apply_rotary_pos_emb", None)
     try:
         for m in mods:
             m.forward = compiled(type(m).forward).__get__(m)
