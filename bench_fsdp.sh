@@ -57,7 +57,8 @@ case "$what" in
     smi_start /tmp/nanogrpo_smi7b.csv
     t0=$(date +%s)
     $TORCHRUN --nproc_per_node="$NPROC" bench_e2e.py --run-cell --model="$D" --prompts_per_step=16 --group_size=8 \
-        --max_completion_len=512 --temperature=1.0 --gradient_checkpointing=True --micro_batch_tokens=16384 \
+        --max_completion_len=512 --temperature=1.0 --reward=task,bench_e2e.py:digit_share \
+        --gradient_checkpointing=True --micro_batch_tokens=16384 \
         --eval_every=0 --eval_size=4 --max_steps=4 --max_minutes=0 --lr=1e-6 --out_dir="$OUT" --overwrite=True "$@"
     echo "wall $(( $(date +%s) - t0 )) s (incl. loading)"
     smi_stop /tmp/nanogrpo_smi7b.csv
