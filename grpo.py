@@ -264,6 +264,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)  # max_prompt_len: said before loading
     sharded = world > 1 and cfg.fsdp
     if dev.type == "cuda":  # the state, a completion's K/V and its activations must fit: said before the weights load
+        asked = (cfg.gradient_checkpointing, cfg.micro_batch_tokens)  # auto and 0 are resolved in place
         try:
             n_params, mc = checkpoint.parameter_count(base), AutoConfig.from_pretrained(base)
             kv_token = kv_bytes_per_token(mc, torch.finfo(dt).bits // 8)
@@ -275,8 +276,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
             raise ValueError("bad config:\n  " + "\n  ".join(errors))
         gc_mbt = rank0_value((cfg.gradient_checkpointing is True, cfg.micro_batch_tokens or AUTO_TOKENS))
         cfg.gradient_checkpointing, cfg.micro_batch_tokens = gc_mbt  # rank 0's: one recompute on every FSDP2 rank
-        print(f"memory: gradient_checkpointing={gc_mbt[0]}, micro_batch_tokens={gc_mbt[1]} (the config's auto and 0: "
-              f"sized to the {free_gpu_bytes(dev) / 2**30:.0f} GiB free)")
+        print(f"memory: gradient_checkpointing, micro_batch_tokens = {gc_mbt} (asked: {asked})")
     checkpoint.open_trackers(cfg, state["step"] if state else 0)  # --report_to (rank 0's); train's finally closes
     # (FSDP2: loaded on the CPU, sharded to dev.) LoRA: the base from --model, the adapters from ckpt on resume
     policy = checkpoint.load_model(base if cfg.lora_r else ckpt or base, torch.device("cpu") if sharded else dev)
