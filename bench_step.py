@@ -11,6 +11,7 @@ rest of the micro-batches' forwards), lm_head (the log-prob kernel, both ways), 
 (the rest of update_step); comm: NCCL's kernels (2 GPUs: FSDP2's reduce-scatters, overlapping the backward); idle =
 its wall with no kernel running.
 """
+import collections
 import functools
 import json
 import math
@@ -23,7 +24,8 @@ GC = "--gradient_checkpointing=True"
 cell = lambda B, G, C, *more: [f"--prompts_per_step={B}", f"--group_size={G}", f"--max_completion_len={C}", *more]
 CELLS = {  # name: (model (a bench_e2e family), grpo flags, processes (torchrun: FSDP2, rank 0's numbers, per GPU))
     "1.5B full 16x8x1024 gc": ("qwen2.5-1.5b", cell(16, 8, 1024, GC), 1),
-    "1.5B full 16x8x1024 mbt=16384": ("qwen2.5-1.5b", cell(16, 8, 1024, "--micro_batch_tokens=16384"), 1),
+    "1.5B full 16x8x1024 mbt=16384": ("qwen2.5-1.5b", cell(16, 8, 1024, "--micro_batch_tokens=16384",
+                                                            "--gradient_checkpointing=False"), 1),
     "7B lora 8x8x1024 gc": ("qwen2.5-7b", cell(8, 8, 1024, GC, "--lora_r=16"), 1),
     "1.5B full 8x16x4096 gc": ("qwen2.5-1.5b", cell(8, 16, 4096, GC), 1),
     "135M default 32x16x64": ("smollm2-135m", cell(32, 16, 64), 1),  # the default run's shape
@@ -33,15 +35,16 @@ PHASES = ("lm_head", "prompt", "optimizer", "forward", "update")  # innermost fi
 
 
 def gpu_phases(trace):
-    """({phase: seconds of GPU time}, the update's wall seconds) from a chrome trace: a kernel belongs to the innermost
-    range open when the host launched it (its correlation id's runtime call), on any thread (backward runs on
-    autograd's); idle = the wall minus the union of the kernels' intervals"""
+    """({phase: seconds of GPU time}, the update's wall seconds, its 8 kernels of most GPU time [(name, s)]) from a
+    chrome trace: a kernel belongs to the innermost range open when the host launched it (its correlation id's runtime
+    call), on any thread (backward runs on autograd's); idle = the wall minus the union of the kernels' intervals"""
     ev = json.load(open(trace))["traceEvents"]
     ranges = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("cat") == "user_annotation"
               and e.get("name") in PHASES]
     launch = {e["args"]["correlation"]: e["ts"] for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")
               and "correlation" in e.get("args", {})}
     out, busy = dict.fromkeys(("prompt", "forward", "lm_head", "backward", "optimizer", "comm", "idle"), 0.0), []
+    by_kernel = collections.Counter()
     for k in (e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
         t = launch.get(k.get("args", {}).get("correlation"))
         names = {n for a, b, n in ranges if t is not None and a <= t <= b}
@@ -49,9 +52,10 @@ def gpu_phases(trace):
             phase = "comm" if "nccl" in k["name"].lower() else next(n for n in PHASES if n in names)
             out[phase.replace("update", "backward")] += k["dur"] / 1e6
             busy.append((k["ts"], k["ts"] + k["dur"]))
+            by_kernel[k["name"]] += k["dur"] / 1e6
     wall = covered((a, b) for a, b, n in ranges if n == "update") / 1e6  # (a range on two threads counts once)
     out["idle"] = wall - covered(busy) / 1e6  # the wall with no kernel running
-    return out, wall
+    return out, wall, by_kernel.most_common(8)
 
 
 def covered(intervals):
@@ -147,7 +151,7 @@ def run(args):
     res = dict(gen=timed["gen_s"], update=timed["update_s"], peak=max(r["peak_gib"] for r in recs if "peak_gib" in r),
                gen_floor=(max(seen["C"]) * weights + kv_read) / bw, rate=rate,
                update_floor=(4 if lora else 6) * n_mat * tokens / rate,
-               phases=gpu_phases(os.path.join(out_dir, "trace.json")) if dev and seen.get("profiling") else ({}, 1.0),
+               phases=gpu_phases(os.path.join(out_dir, "trace.json")) if dev and seen.get("profiling") else ({}, 1, []),
                mem={k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_free")})  # (each a device sync)
     json.dump(res, open(os.path.join(out_dir, "step.json"), "w"))
 
@@ -172,13 +176,15 @@ def main(words):
             print(f"| {name:<32} | ERROR {row.get('why', '')}", flush=True)
             continue
         r = json.load(open(os.path.join(out_dir, "step.json")))
-        phases, wall = r["phases"]
+        phases, wall, top = r["phases"]
         ph = " ".join(f"{k} {100 * v / wall:.0f}" for k, v in phases.items())
         print(f"| {name:<32} | {r['gen']:6.2f} {r['gen_floor']:6.2f} {r['gen_floor'] / r['gen']:5.2f} | "
               f"{r['update']:6.2f} {r['update_floor']:6.2f} {r['update_floor'] / r['update']:5.2f} | "
               f"{(r['gen_floor'] + r['update_floor']) / (r['gen'] + r['update']):5.2f} | {r['peak']:5.1f} | {ph} "
               f"(GEMM {r['rate'] / 1e12:.0f} TFLOP/s; profiled: wall {wall:.2f} s, "
               f"kernels {wall - phases.get('idle', 0):.2f} s; allocator {r.get('mem')})", flush=True)
+        print("|   the update's top kernels, % of its wall: " + ", ".join(f"{n[:60]} {100 * t / wall:.0f}"
+                                                                           for n, t in top))
 
 
 if __name__ == "__main__":

@@ -59,14 +59,14 @@ scale_rewards = "group"  # group | batch | none
 mask_truncated_completions = False
 logprob_impl = "auto"  # fused | chunked | naive | auto (fused on GPU, chunked on CPU)
 kv_reuse = True  # forward each group's prompt once and reuse its KV cache for the G completions
-gradient_checkpointing = False
+gradient_checkpointing = "auto"  # recompute layers in the backward: True | False | auto (off where it is not needed)
 compile = True  # from 128 new tokens on (GPU): torch.compile the decode (~10-30 s once; ~1.7x faster) and the update's
 # RMSNorms, MLPs and RoPE (kv_reuse.compiled_pieces: ~15% faster at 1.5B)
 lora_r = 0  # LoRA rank (0 = full fine-tuning); with LoRA the base stays frozen in dtype and only adapters train (peft)
 lora_alpha = 32  # the adapter's scale is lora_alpha / lora_r (TRL's ModelConfig defaults: 16 / 32 / 0.05)
 lora_dropout = 0.05
 lora_target_modules = ""  # comma-separated module names ("" = q,k,v,o,gate,up,down_proj: attention and MLP)
-micro_batch_tokens = 32768  # token budget of a micro-batch (whole groups of P + G*C tokens); lower it on OOM
+micro_batch_tokens = 0  # tokens a micro-batch holds (whole groups of P + G*C, a bigger one in parts); 0 = auto
 rollout_kv_gib = 0.0  # K/V a rollout holds at once (0 = auto: 80% of free GPU memory); more groups go in later waves
 device = "auto"  # auto | cuda | cpu
 dtype = "bfloat16"  # the model runs in this dtype; AdamW steps float32 master copies (see make_optimizer)
@@ -140,16 +140,18 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
     "overlong_penalty_factor": (lambda v: finite(v) and v >= 0, "finite and >= 0"),
     "dist_timeout_minutes": (lambda v: finite(v) and v > 0, "finite and > 0"),
     **{k: (lambda v: v >= 1, ">= 1") for k in ("max_steps", "prompts_per_step", "max_prompt_len", "max_completion_len",
-                                              "num_iterations", "micro_batch_tokens", "eval_size", "difficulty",
+                                              "num_iterations", "eval_size", "difficulty",
                                               "steps_per_generation", "max_sampling_tries")},
     **{k: (lambda v: v >= 0, ">= 0") for k in ("warmup_steps", "eval_every", "save_every", "eval_pass_k",
                                               "soft_punish_cache", "eval_samples", "max_flat_steps", "lora_r")},
     "lora_alpha": (lambda v: finite(v) and v > 0, "finite and > 0"),
     "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "rollout_kv_gib": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = auto)"),
+    "micro_batch_tokens": (lambda v: v >= 0, ">= 0 (0 = auto)"),
+    "gradient_checkpointing": (lambda v: str(v).lower() in ("auto", "true", "false", "1", "0"), "True, False or auto"),
 }
 FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite", "mask_truncated_completions",
-             "kv_reuse", "gradient_checkpointing", "task", "eval_file", "reward", "reward_weights", "dynamic_sampling",
+             "kv_reuse", "task", "eval_file", "reward", "reward_weights", "dynamic_sampling",
              "vllm_importance_sampling_correction", "fsdp", "deterministic", "compile", "lora_target_modules",
              "report_to")  # strings checked below, and booleans
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -235,6 +237,9 @@ def resolve(cfg):
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
     if cfg.logprob_impl == "auto":  # the Triton kernel runs on CPU only under TRITON_INTERPRET=1, slowly
         cfg.logprob_impl = "fused" if dev.type == "cuda" else "chunked"
+    gc = str(cfg.gradient_checkpointing).lower()  # (a GPU's auto: grpo, from its free memory: auto_memory)
+    cfg.gradient_checkpointing = "auto" if gc == "auto" and dev.type == "cuda" else gc in ("true", "1")
+    cfg.micro_batch_tokens = cfg.micro_batch_tokens or (0 if dev.type == "cuda" else AUTO_TOKENS)
     return dev, getattr(torch, cfg.dtype)
 
 
@@ -269,13 +274,13 @@ def lora_errors(cfg, world):
     return errors
 
 
-def memory_errors(cfg, n_params, world, gpu_bytes, kv_token=0):
+def memory_errors(cfg, n_params, world, gpu_bytes, kv_token=0, mc=None):
     """the training state alone must fit the GPU's free bytes. Per parameter, full fine-tuning holds 16 bytes (float32
     weights or a bf16 run's masters, their gradients, AdamW's two moments) plus the 2 of a bf16 run's weights; FSDP2
     shards the 16 over the ranks, the gathered weights whole on each (ZeRO-2). LoRA: the frozen base in dtype alone.
     beta > 0 without LoRA: a reference model in dtype. And beside it the K/V of one completion (kv_token bytes a
     token; the rollout samples in waves, a group in parts, but one row must fit, within rollout_kv_gib if set).
-    Necessary, not sufficient."""
+    Necessary, not sufficient. With mc (the model's HF config) what it leaves sizes the auto knobs (auto_memory)."""
     dt_bytes = 2 if cfg.dtype in ("bfloat16", "float16") else 4
     sharded = world > 1 and cfg.fsdp
     if cfg.lora_r:
@@ -293,7 +298,7 @@ def memory_errors(cfg, n_params, world, gpu_bytes, kv_token=0):
                 f"completion's K/V ({kv_token} bytes a token) needs {row / 2**30:.1f} GiB beside the training state's "
                 f"{gib(need)}, and this GPU has {gib(gpu_bytes)} free; shorten them or use a GPU with more memory"]
     if need <= gpu_bytes:
-        return []
+        return auto_memory(cfg, gpu_bytes - need, mc, world) if mc is not None else []
     what = (f"{n_params / 1e9:.1f}B parameters need {gib(need)} of GPU memory before any activation ("
             + (f"the frozen base in {cfg.dtype}" if cfg.lora_r else
                "float32 weights or masters, gradients and AdamW moments: 16 bytes a parameter"
@@ -305,3 +310,38 @@ def memory_errors(cfg, n_params, world, gpu_bytes, kv_token=0):
     return [f"--model={cfg.model!r}, full fine-tuning: {what}. Train LoRA adapters instead (--lora_r=16: the base "
             f"stays in {cfg.dtype}, {gib(n_params * dt_bytes)}, no masters or moments), or shard the state over more "
             f"GPUs (torchrun --nproc_per_node=N grpo.py: FSDP2)"]
+
+
+AUTO_TOKENS = 32768  # auto's largest micro-batch (and the CPU's): the budget every measured GPU cell ran
+
+
+def activation_bytes(cfg, mc):
+    """bytes a token keeps for the backward, (without, with) checkpointing: a layer ~4H + 3q + 3kv + 3I values (its
+    norms' and projections' inputs; attention's q, k, v, output; the MLP's gate, up, product), with LoRA dropout a
+    copy of each adapted input (5H + q + I); checkpointing: each layer's input + the one recomputed, its activations
+    and their gradients (2 layers); 4H outside the layers. x1.4: the GPU peaks (eager RMSNorm keeps float32 copies)."""
+    H, L, I = mc.hidden_size, mc.num_hidden_layers, getattr(mc, "intermediate_size", None) or 4 * mc.hidden_size
+    d = getattr(mc, "head_dim", None) or H // mc.num_attention_heads
+    q, kv = mc.num_attention_heads * d, (getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads) * d
+    layer = 4 * H + 3 * q + 3 * kv + 3 * I + (5 * H + q + I if cfg.lora_r and cfg.lora_dropout > 0 else 0)
+    b = 1.4 * (2 if cfg.dtype == "bfloat16" else 4)
+    return b * (L * layer + 4 * H), b * (L * H + 2 * layer + 4 * H)
+
+
+def auto_memory(cfg, free, mc, world):
+    """--gradient_checkpointing=auto: off where a micro-batch of the step's groups (up to AUTO_TOKENS) fits without it;
+    --micro_batch_tokens=0: the tokens that fit, up to AUTO_TOKENS. In 90% of the bytes the training state leaves, less
+    1 GiB (the LM head's kernel, cuBLAS, the allocator's slack). Returns [the error] where one completion cannot fit."""
+    full, ckpt = activation_bytes(cfg, mc)
+    spare, P, C, G = 0.9 * free - 2**30, cfg.max_prompt_len, cfg.max_completion_len, cfg.group_size
+    step = (P + G * C if cfg.kv_reuse else G * (P + C)) * max(cfg.prompts_per_step // world, 1)
+    if cfg.gradient_checkpointing == "auto":
+        cfg.gradient_checkpointing = min(AUTO_TOKENS, step) * full > spare
+    per, auto_tokens = ckpt if cfg.gradient_checkpointing else full, cfg.micro_batch_tokens == 0
+    cfg.micro_batch_tokens = cfg.micro_batch_tokens or max(min(AUTO_TOKENS, int(spare // per)), 1)
+    if not auto_tokens or spare >= (P + C) * per:
+        return []
+    how = "use a GPU with more memory" if cfg.gradient_checkpointing else "set --gradient_checkpointing=True"
+    return [f"--max_completion_len={C} after --max_prompt_len={P}: the backward of one completion needs "
+            f"{(P + C) * per / 2**30:.1f} GiB of activations and {max(spare, 0) / 2**30:.1f} GiB are free beside the "
+            f"training state; shorten them, {how}" + ("" if cfg.lora_r else " or train LoRA (--lora_r=16)")]

@@ -23,7 +23,7 @@ import torch
 import checkpoint
 from dist import all_ranks, fsdp_modules, gathered, rank, rank0_value, setup_distributed, stat_op, world_size
 import lora
-from config import memory_errors, parse_config, resolve
+from config import AUTO_TOKENS, memory_errors, parse_config, resolve
 from tasks import (TASKS, check_training_pool, load_task, make_reward, overlong_penalty,  # noqa: F401
                    reward_names, step_seed, train_prompts)  # (grpo.TASKS: tasks')
 
@@ -263,16 +263,20 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     tokenizer = checkpoint.load_tokenizer(ckpt or base)
     encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)  # max_prompt_len: said before loading
     sharded = world > 1 and cfg.fsdp
-    if dev.type == "cuda":  # the training state alone must fit: said before the weights load, with what to do
+    if dev.type == "cuda":  # the state, a completion's K/V and its activations must fit: said before the weights load
+        asked = (cfg.gradient_checkpointing, cfg.micro_batch_tokens)  # auto and 0 are resolved in place
         try:
-            n_params = checkpoint.parameter_count(base)
-            kv_token = kv_bytes_per_token(AutoConfig.from_pretrained(base), torch.finfo(dt).bits // 8)
+            n_params, mc = checkpoint.parameter_count(base), AutoConfig.from_pretrained(base)
+            kv_token = kv_bytes_per_token(mc, torch.finfo(dt).bits // 8)
+            errors = memory_errors(cfg, n_params, world, free_gpu_bytes(dev), kv_token, mc)  # (mc: auto's sizes)
         except Exception as e:  # noqa: BLE001 - a check that cannot count must not stop a run that may fit
-            n_params = kv_token = 0
-            print(f"(memory check skipped: {base} did not build on the meta device: {type(e).__name__}: {e})")
-        errors = memory_errors(cfg, n_params, world, free_gpu_bytes(dev), kv_token)
+            errors = []
+            print(f"(memory check skipped: {base}: {type(e).__name__}: {e})")
         if errors:
             raise ValueError("bad config:\n  " + "\n  ".join(errors))
+        gc_mbt = rank0_value((cfg.gradient_checkpointing is True, cfg.micro_batch_tokens or AUTO_TOKENS))
+        cfg.gradient_checkpointing, cfg.micro_batch_tokens = gc_mbt  # rank 0's: one recompute on every FSDP2 rank
+        print(f"memory: gradient_checkpointing, micro_batch_tokens = {gc_mbt} (asked: {asked})")
     checkpoint.open_trackers(cfg, state["step"] if state else 0)  # --report_to (rank 0's); train's finally closes
     # (FSDP2: loaded on the CPU, sharded to dev.) LoRA: the base from --model, the adapters from ckpt on resume
     policy = checkpoint.load_model(base if cfg.lora_r else ckpt or base, torch.device("cpu") if sharded else dev)

@@ -17,9 +17,9 @@ lower-right causal: HF's mask from our 2D (B*G, P-1+C) padding mask, or none if 
 """
 import contextlib
 import functools
+import gc
 import inspect
 import sys
-import time
 import traceback
 import warnings
 
@@ -28,6 +28,8 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from logprobs import time_ms, token_logprobs
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # full-attention decoders whose trunk we have checked
 
@@ -307,18 +309,6 @@ def bench_model():
     return model.train()
 
 
-def sync():
-    if CUDA:
-        torch.cuda.synchronize()
-
-
-def free():
-    import gc
-    gc.collect()
-    if CUDA:
-        torch.cuda.empty_cache()
-
-
 def bench_batch(model, P, mixed=False):
     """random (B, P) prompts and (B*G, C) completions. mixed=False: no padding anywhere (the full path gets flash +
     is_causal); mixed=True: prompt lengths in [P/2, P] (left-padded) and completion lengths in [C/2, C]
@@ -338,7 +328,6 @@ def bench_batch(model, P, mixed=False):
 
 def train_step(model, batch, reuse):
     """one fwd+bwd of the benchmark's loss, the mean completion log-prob; returns the masked log-probs (B*G, C)"""
-    from logprobs import token_logprobs
     completion_ids, completion_mask = batch[2:]
     h = completion_hidden(model, *batch, G_, reuse=reuse)
     lp = token_logprobs(h, model.lm_head.weight, completion_ids, entropy=False, impl=LOGP_IMPL)[0].view(B_ * G_, C_)
@@ -346,41 +335,17 @@ def train_step(model, batch, reuse):
     return lp.detach() * completion_mask
 
 
-def flop_ratio(config, P):
-    """full / reuse FLOPs of one benchmark step: the speedup a reuse path as efficient per FLOP as the full one would
-    reach. Token counts alone (B*G*(P+C) / B*(P+G*C)) overstate it: the completion pass attends P+C keys per row,
-    and the LM head (same in both) does not shrink. GC: trunk matmuls x4 (forward, recompute, 2 in backward),
-    attention x4.5 (its backward is 5 matmuls to the forward's 2); the fused LM head x4 (forward, recompute, dH, dW)."""
-    H, L, I, V = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
-    h, kvh = config.num_attention_heads, config.num_key_value_heads
-    D = getattr(config, "head_dim", None) or H // h
-    linear = 4 * 2 * L * (H * h * D * 2 + 2 * H * kvh * D + 3 * H * I)  # per token: q, o, k, v, MLP
-    attn = 4.5 * 4 * L * h * D  # per (query, key) pair: QK^T and PV
-    lm_head = 4 * 2 * H * V * B_ * G_ * C_
-    S = P + C_ - 1  # full path: B*G causal rows of S tokens
-    full = linear * B_ * G_ * S + attn * B_ * G_ * S * (S + 1) / 2 + lm_head
-    reuse = (linear * (B_ * (P - 1) + B_ * G_ * C_) + lm_head
-             + attn * (B_ * (P - 1) * P / 2 + B_ * G_ * (C_ * (P - 1) + C_ * (C_ + 1) / 2)))
-    return full / reuse
-
-
 def bench_train(model, P, reuse, mixed=False):
-    """ms per fwd+bwd (train_step) and peak GiB allocated"""
+    """median ms per fwd+bwd (train_step), peak GiB allocated, the masked log-probs, and an error ("" if none)"""
     batch = bench_batch(model, P, mixed)
     step = lambda: train_step(model, batch, reuse)  # noqa: E731
     try:
         model.zero_grad(set_to_none=True)
-        step()  # warm-up; grads stay allocated, as in training
-        sync()
         if CUDA:
             torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        for _ in range(REPS):
-            lp = step()
-        sync()
-        ms = (time.perf_counter() - t0) * 1e3 / REPS
+        ms = time_ms(step, REPS)  # (its untimed first call allocates the grads, as in training)
         peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else None
-        return ms, peak, lp.float().cpu(), ""
+        return ms, peak, step().float().cpu(), ""
     except Exception as e:  # noqa: BLE001 - an OOM (or any failure) is a row that says so, not a dead benchmark
         oom = isinstance(e, torch.OutOfMemoryError)
         if not oom:
@@ -388,7 +353,8 @@ def bench_train(model, P, reuse, mixed=False):
         return None, None, None, "OOM" if oom else f"{type(e).__name__}: {e}"
     finally:
         model.zero_grad(set_to_none=True)
-        free()
+        gc.collect()
+        torch.cuda.empty_cache()  # (a no-op where CUDA never started)
 
 
 def main():
@@ -400,22 +366,22 @@ def main():
     print(f"kv_reuse benchmark on {dev_name}: torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{'bf16' if CUDA else 'fp32'}, sdpa, GC on (non-reentrant), loss=logprobs.{LOGP_IMPL}")
     print(f"Qwen2-shaped random model: hidden {model.config.hidden_size}, {model.config.num_hidden_layers} layers, "
-          f"vocab {model.config.vocab_size}; B={B_} G={G_} C={C_}; ms per fwd+bwd (mean of {REPS}), peak GiB")
-    print(f"{'P':>6} | {'full ms':>9} {'GiB':>6} | {'reuse ms':>9} {'GiB':>6} | {'speedup':>7} {'tokens':>7} "
-          f"{'flops':>6} | {'max|dlogp|':>10}")
+          f"vocab {model.config.vocab_size}; B={B_} G={G_} C={C_}; ms per fwd+bwd (median of {REPS}), peak GiB")
+    print(f"{'P':>6} | {'full ms':>9} {'GiB':>6} | {'reuse ms':>9} {'GiB':>6} | {'speedup':>7} {'tokens':>7} | "
+          f"{'max|dlogp|':>10}")
     for P, mixed in [(P, False) for P in PROMPT_LENS] + [(PROMPT_LENS[-2], True)]:
         ms_f, gb_f, lp_f, err_f = bench_train(model, P, reuse=False, mixed=mixed)
         ms_r, gb_r, lp_r, err_r = bench_train(model, P, reuse=True, mixed=mixed)
-        ceiling, flops = B_ * G_ * (P + C_) / (B_ * (P + G_ * C_)), flop_ratio(model.config, P)
+        ceiling = B_ * G_ * (P + C_) / (B_ * (P + G_ * C_))
         speedup = ms_f / ms_r if ms_f and ms_r else None
         diff = (lp_f - lp_r).abs().max().item() if lp_f is not None and lp_r is not None else None
         fmt = lambda v, spec, err="": (format(v, spec) if v is not None else (err or "-")[:3]).rjust(
             int(spec.split(".")[0]))
         print(f"{str(P) + '*' * mixed:>6} | {fmt(ms_f, '9.1f', err_f)} {fmt(gb_f, '6.2f', err_f)} | "
-              f"{fmt(ms_r, '9.1f', err_r)} {fmt(gb_r, '6.2f', err_r)} | {fmt(speedup, '6.2f')}x {ceiling:6.2f}x "
-              f"{flops:5.2f}x | {fmt(diff, '10.2e')}", flush=True)
+              f"{fmt(ms_r, '9.1f', err_r)} {fmt(gb_r, '6.2f', err_r)} | {fmt(speedup, '6.2f')}x {ceiling:6.2f}x | "
+              f"{fmt(diff, '10.2e')}", flush=True)
     print("     * mixed lengths: prompts in [P/2, P] left-padded, completions in [C/2, C] right-padded (mask path)")
-    print("     tokens: B*G*(P+C) / B*(P+G*C); flops: full/reuse FLOPs (flop_ratio), the speedup at equal efficiency")
+    print("     tokens: B*G*(P+C) / B*(P+G*C), the speedup if time went with tokens (attention and the LM head do not)")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ Per-token log-probs and entropies of the LM head, three ways, one signature (ker
 four cuBLAS GEMMs of each shape (the floor any recompute scheme pays), and liger_logprobs if installed.
 """
 import gc
-import json
 import os
 import sys
 import time
@@ -163,19 +162,20 @@ def rel_err(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
 
 
-def _sync(dev):
-    if dev == "cuda":
+def sync():
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def _time(fn, dev, reps):
-    fn()  # warm-up (compiles, allocator)
+def time_ms(fn, reps):
+    """the median ms of reps calls of fn, after one untimed (compiles, allocator); the benchmarks' clock"""
+    fn()
     times = []
     for _ in range(reps):
-        _sync(dev)
+        sync()
         t0 = time.perf_counter()
         fn()
-        _sync(dev)
+        sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
 
@@ -199,7 +199,7 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
         z @ weight.detach()
         z.t() @ hidden.detach()
     with torch.no_grad():
-        floor_ms = _time(floor, dev, reps)
+        floor_ms = time_ms(floor, reps)
     gc.collect()
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -215,7 +215,7 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
             return logp, ent, dH, dW
         row = dict(shape=name, N=N, H=H, V=V, impl=impl, floor_ms=round(floor_ms, 3))
         try:
-            ms = _time(step, dev, reps)
+            ms = time_ms(step, reps)
             if dev == "cuda":
                 torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
@@ -276,10 +276,8 @@ def main():
         print("(liger_kernel not installed: no liger row)")
     print(f"{'shape':<13} {'impl':<8} {'ms':>9} {'floor_ms':>9} {'ratio':>6} {'peak_GiB':>8} "
           f"{'err_logp':>9} {'err_ent':>9} {'err_dH':>9} {'err_dW':>9}")
-    rows = []
     for name_s, N, H, V in shapes:
-        rows += bench_shape(name_s, N, H, V, dev, dtype, impls, reps)
-    print(json.dumps(dict(device=name, dtype=str(dtype), torch=torch.__version__, rows=rows)))
+        bench_shape(name_s, N, H, V, dev, dtype, impls, reps)
 
 
 if __name__ == "__main__":

@@ -1186,6 +1186,7 @@ def _tiny_buffer(group_size=4):
 def _trainer_cfg(**kw):
     import grpo
     cfg = config.parse_config(["--device=cpu", "--dtype=float32", "--logprob_impl=chunked"])
+    config.resolve(cfg)  # (the CPU's micro_batch_tokens and no checkpointing)
     for k, v in kw.items():
         setattr(cfg, k, v)
     return cfg
@@ -2084,6 +2085,63 @@ def test_grpo_state_that_cannot_fit_is_refused_naming_lora():
     err = config.memory_errors(cfg("--max_completion_len=30000", "--rollout_kv_gib=0.5"), 1.5e9, 1, 80 * gib, kv15)
     assert len(err) == 1 and all(w in err[0] for w in ("--rollout_kv_gib=0.5", "0.81 GiB")), err  # (30512 tokens)
     assert config.memory_errors(cfg("--max_completion_len=30000", "--rollout_kv_gib=1"), 1.5e9, 1, 80 * gib, kv15) == []
+
+
+@check
+def test_grpo_auto_memory_sizes_checkpointing_and_micro_batch():
+    """--gradient_checkpointing=auto and --micro_batch_tokens=0 (config.memory_errors -> auto_memory, from the GPU's
+    free bytes, before the weights load): on an 80 GiB GPU the default run keeps what it ran (no checkpointing, 32768
+    tokens), the 1.5B 16 x 8 x 1024 and 7B LoRA cells the setting bench_step measured fastest (checkpointing, 32768:
+    1.5B 5.78 s against 6.53 without it at 16384, H100, 2026-11-26); a 24 GiB GPU gets a smaller budget that still
+    holds one completion; a length whose one completion cannot fit is refused with the numbers and what to set; values
+    a user gave are kept; on the CPU auto is 32768 tokens, no checkpointing. activation_bytes is above the GPU peaks
+    (1.5B: 2.1 MiB a token without checkpointing; 7B LoRA: 0.70 with) and above what the tiny model's forward saves
+    (saved_tensors_hooks), by less than 1.6x."""
+    from transformers import AutoModelForCausalLM
+    gib = 2**30
+    qwen = lambda H, I, L, h, kv: SimpleNamespace(hidden_size=H, intermediate_size=I, num_hidden_layers=L,  # noqa: E731
+                                                  num_attention_heads=h, num_key_value_heads=kv)
+    smol, q15, q7 = qwen(576, 1536, 30, 9, 3), qwen(1536, 8960, 28, 12, 2), qwen(3584, 18944, 28, 28, 4)
+    cfg = lambda *a: config.parse_config(["--device=cuda", *a])  # noqa: E731 (not resolved: auto stays auto)
+
+    def auto(c, n, free, mc):
+        err = config.memory_errors(c, n, 1, free * gib, 0, mc)
+        return c.gradient_checkpointing, c.micro_batch_tokens, err
+    assert auto(cfg(), 135e6, 79, smol) == (False, 32768, [])
+    cell = ["--prompts_per_step=16", "--group_size=8", "--max_completion_len=1024"]
+    assert auto(cfg(*cell), 1.54e9, 79, q15) == (True, 32768, [])
+    assert auto(cfg(*cell, "--lora_r=16"), 7.6e9, 79, q7) == (True, 32768, [])
+    gc, mbt, err = auto(cfg(*cell, "--lora_r=16"), 7.6e9, 23, q7)
+    assert gc and 1024 + 256 <= mbt < 16384 and not err, mbt
+    gc, mbt, err = auto(cfg("--max_completion_len=30000", "--lora_r=16"), 7.6e9, 23, q7)
+    assert gc and len(err) == 1 and all(w in err[0] for w in ("--max_completion_len=30000", "GiB")), err
+    no_gc = cfg("--max_completion_len=30000")
+    no_gc.gradient_checkpointing = False  # (as config.resolve leaves --gradient_checkpointing=False)
+    err = auto(no_gc, 1.54e9, 79, q15)[2]
+    assert len(err) == 1 and "--gradient_checkpointing=True" in err[0], err
+    c = config.parse_config(["--gradient_checkpointing=false", "--micro_batch_tokens=16384", *cell])
+    config.resolve(c)  # (on the CPU: explicit values as booleans and ints)
+    assert (c.gradient_checkpointing, c.micro_batch_tokens) == (False, 16384)
+    assert auto(c, 1.54e9, 79, q15) == (False, 16384, [])
+    c = config.parse_config(["--device=cpu"])
+    config.resolve(c)
+    assert (c.gradient_checkpointing, c.micro_batch_tokens) == (False, 32768)
+    assert_raises(ValueError, lambda: config.resolve(config.parse_config(["--gradient_checkpointing=maybe"])),
+                  "True, False or auto")
+    assert min(config.activation_bytes(cfg(), SimpleNamespace(hidden_size=64, num_hidden_layers=2,  # no
+                                                              num_attention_heads=4))) > 0  # intermediate_size: 4H
+    mib = lambda b: b / 2**20  # noqa: E731
+    full, _ = config.activation_bytes(cfg(), q15)
+    _, ckpt = config.activation_bytes(cfg("--lora_r=16"), q7)
+    assert 2.1 < mib(full) < 1.6 * 2.1 and 0.70 < mib(ckpt) < 1.6 * 0.70, (mib(full), mib(ckpt))
+    model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.bfloat16).train()
+    params, saved = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
+    keep = lambda t: saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) and t  # noqa: E731
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model.model(input_ids=torch.randint(0, model.config.vocab_size, (4, 256)))
+    measured = sum(b for p, b in saved.items() if p not in params) / (4 * 256)
+    est = config.activation_bytes(cfg(), model.config)[0]
+    assert measured < est < 1.6 * measured, (measured, est)
 
 
 @check
@@ -3045,10 +3103,11 @@ def test_bench_step_phases_from_a_trace():
                     args=dict(correlation=c))]  # (kernel 3: NCCL's, which counts as comm wherever launched)
     path = os.path.join(tempfile.mkdtemp(prefix="nanogrpo_trace_"), "trace.json")
     json.dump(dict(traceEvents=ev), open(path, "w"))
-    phases, wall = bench_step.gpu_phases(path)
+    phases, wall, top = bench_step.gpu_phases(path)
     want = dict(prompt=4, forward=10, lm_head=6, backward=2, comm=20, optimizer=3, idle=110 - (4 + 13 + 20 + 3 + 2))
     assert abs(wall - 110e-6) < 1e-12 and all(abs(phases[k] - v / 1e6) < 1e-12 for k, v in want.items()), (
         phases, wall)
+    assert [n for n, _ in top] == ["ncclDevKernel_ReduceScatter", "k1", "k2", "k0", "k4", "k6"], top  # (not k5)
 
 @check
 @cpu_processes
