@@ -72,7 +72,7 @@ device = "auto"  # auto | cuda | cpu
 dtype = "bfloat16"  # the model runs in this dtype; AdamW steps float32 master copies (see make_optimizer)
 seed = 1337
 deterministic = False  # the same log for the same command, GPU and software: deterministic kernels (README: cost)
-eval_every = 10
+eval_every = 10  # held-out greedy eval every N steps; step 0 and the last step always (0: those two only)
 eval_size = 100
 eval_pass_k = 0  # also sample this many completions per held-out prompt at eval_temperature: pass@k (0 = off)
 eval_samples = 4  # at each eval, log.jsonl keeps this many held-out greedy completions (question, answer, reward)
