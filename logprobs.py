@@ -203,7 +203,6 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
     gc.collect()
     if dev == "cuda":
         torch.cuda.empty_cache()
-    rows = []
     for impl in impls:
         def step():
             if impl == "liger":
@@ -236,9 +235,7 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
         gc.collect()
         if dev == "cuda":
             torch.cuda.empty_cache()
-        rows.append(row)
         print(_fmt(row), flush=True)
-    return rows
 
 
 def _fmt(r):
