@@ -245,7 +245,6 @@ def train(argv):
 
 def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     from tqdm import tqdm
-
     from transformers import AutoConfig
 
     from batching import free_gpu_bytes, prepare_buffer, update_step
@@ -262,9 +261,8 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     base = rank0_value(checkpoint.resolve_model_path(cfg.model, cfg.gguf_dir) if r == 0 else None)
     tokenizer = checkpoint.load_tokenizer(ckpt or base)
     encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)  # max_prompt_len: said before loading
-    sharded = world > 1 and cfg.fsdp
     if dev.type == "cuda":  # the state, a completion's K/V and its activations must fit: said before the weights load
-        asked = (cfg.gradient_checkpointing, cfg.micro_batch_tokens)  # auto and 0 are resolved in place
+        asked = (cfg.gradient_checkpointing, cfg.micro_batch_tokens, cfg.fsdp)  # auto and 0: resolved in place
         try:
             n_params, mc = checkpoint.parameter_count(base), AutoConfig.from_pretrained(base)
             kv_token = kv_bytes_per_token(mc, torch.finfo(dt).bits // 8)
@@ -274,9 +272,11 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
             print(f"(memory check skipped: {base}: {type(e).__name__}: {e})")
         if errors:
             raise ValueError("bad config:\n  " + "\n  ".join(errors))
-        gc_mbt = rank0_value((cfg.gradient_checkpointing is True, cfg.micro_batch_tokens or AUTO_TOKENS))
-        cfg.gradient_checkpointing, cfg.micro_batch_tokens = gc_mbt  # rank 0's: one recompute on every FSDP2 rank
-        print(f"memory: gradient_checkpointing, micro_batch_tokens = {gc_mbt} (asked: {asked})")
+        chosen = rank0_value((cfg.gradient_checkpointing is True, cfg.micro_batch_tokens or AUTO_TOKENS,
+                              world > 1 and cfg.fsdp is not False))  # (memory check skipped: auto is FSDP2)
+        cfg.gradient_checkpointing, cfg.micro_batch_tokens, cfg.fsdp = chosen  # rank 0's: the same on every rank
+        print(f"memory: gradient_checkpointing, micro_batch_tokens, fsdp = {chosen} (asked: {asked})")
+    sharded = world > 1 and cfg.fsdp
     checkpoint.open_trackers(cfg, state["step"] if state else 0)  # --report_to (rank 0's); train's finally closes
     # (FSDP2: loaded on the CPU, sharded to dev.) LoRA: the base from --model, the adapters from ckpt on resume
     policy = checkpoint.load_model(base if cfg.lora_r else ckpt or base, torch.device("cpu") if sharded else dev)

@@ -275,8 +275,7 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
         if C > 1 and model.config._attn_implementation == "sdpa" and bool(prompt_mask.all()):
             mask = LowerRightCausal((B * G, 1, C, P - 1 + C), ids.device)  # flash, no materialized mask
             use_lower_right_sdpa()  # ...with the K/V heads unrepeated
-        out = trunk(input_ids=ids, attention_mask=mask, position_ids=pos_c, **cache_arg(trunk, prefix),
-                    use_cache=False)
+        out = trunk(input_ids=ids, attention_mask=mask, position_ids=pos_c, **cache_arg(trunk, prefix), use_cache=False)
     return out.last_hidden_state  # (B*G, C, H)
 
 

@@ -123,12 +123,8 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, entropy=True, impl=
 
 # ----------------------------------------------------------------------------------------------------------------
 # benchmark
-GPU_SHAPES = [  # (name, N tokens, H, V)
-    ("Llama-3-8B", 16384, 4096, 128256),
-    ("Qwen2.5-7B", 16384, 3584, 152064),
-    ("Gemma-2-2B", 8192, 2304, 256000),
-    ("Qwen2.5-0.5B", 32768, 896, 151936),
-]
+GPU_SHAPES = [("Llama-3-8B", 16384, 4096, 128256), ("Qwen2.5-7B", 16384, 3584, 152064),  # (name, N tokens, H, V)
+              ("Gemma-2-2B", 8192, 2304, 256000), ("Qwen2.5-0.5B", 32768, 896, 151936)]
 CPU_SHAPES = [("tiny-cpu", 256, 128, 4096)]  # the fused kernel runs interpreted here
 REF_ROWS = 1024  # reference chunk
 
