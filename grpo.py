@@ -3,7 +3,7 @@ nanoGRPO: GRPO on one GPU, read top to bottom.
 
     python grpo.py                                   # the default: SmolLM2-135M-Instruct on synthetic arithmetic
     python grpo.py --task=countdown --lr=5e-6        # any config global (config.py) can be overridden as --key=value
-    torchrun --nproc_per_node=2 grpo.py              # 2 processes (FSDP2), each a device and half of each step's groups
+    torchrun --nproc_per_node=2 grpo.py              # 2 processes, each a device and half of each step's groups
 
 One step = one generation batch (prompts_per_step x group_size completions, sampled once; with dynamic_sampling,
 resampled until its groups carry signal), then num_iterations x steps_per_generation optimizer steps over it
@@ -30,7 +30,7 @@ from tasks import (TASKS, check_training_pool, load_task, make_reward, overlong_
 # ------------------------------------------------------------------------------------------------------------------
 # more than one process: `torchrun --nproc_per_node=N grpo.py ...`. Each rank generates and scores its own
 # prompts_per_step / N whole groups (advantages stay local) from its own RNG stream (seed + rank); the gradients sum
-# over the ranks (dist.py; FSDP2, --fsdp=False: replicas). The eval is sharded; rank 0 alone prints, logs, saves.
+# over the ranks (dist.py; replicas, or FSDP2: --fsdp). The eval is sharded; rank 0 alone prints, logs, saves.
 def shard_model(model, dt, dev):
     """FSDP2: fully_shard each decoder layer, then the root (embeddings, final norm, LM head: tied ones stay one
     parameter). The float32 weights, gradients and AdamW moments are sharded; forward and backward run in dt on gathered
