@@ -163,6 +163,11 @@ def sync():
         torch.cuda.synchronize()
 
 
+def free():  # between benchmark rows: one's cached blocks do not count in the next's peak
+    gc.collect()
+    torch.cuda.empty_cache()  # (a no-op where CUDA never started)
+
+
 def time_ms(fn, reps):
     """the median ms of reps calls of fn, after one untimed (compiles, allocator); the benchmarks' clock"""
     fn()
@@ -196,9 +201,7 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
         z.t() @ hidden.detach()
     with torch.no_grad():
         floor_ms = time_ms(floor, reps)
-    gc.collect()
-    if dev == "cuda":
-        torch.cuda.empty_cache()
+    free()
     for impl in impls:
         def step():
             if impl == "liger":
@@ -210,9 +213,8 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
             return logp, ent, dH, dW
         row = dict(shape=name, N=N, H=H, V=V, impl=impl, floor_ms=round(floor_ms, 3))
         try:
-            ms = time_ms(step, reps)
+            ms = time_ms(step, reps)  # (it ends synchronized)
             if dev == "cuda":
-                torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
             out = step()
@@ -228,9 +230,7 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
             del out
         except torch.cuda.OutOfMemoryError:
             row.update(oom=True)
-        gc.collect()
-        if dev == "cuda":
-            torch.cuda.empty_cache()
+        free()
         print(_fmt(row), flush=True)
 
 
