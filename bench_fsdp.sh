@@ -56,8 +56,8 @@ case "$what" in
     OUT=/tmp/nanogrpo_out7b
     smi_start /tmp/nanogrpo_smi7b.csv
     t0=$(date +%s)
-    $TORCHRUN --nproc_per_node="$NPROC" bench_e2e.py --run-cell --model="$D" --prompts_per_step=16 --group_size=8 \
-        --max_completion_len=512 --temperature=1.0 --reward=task,bench_e2e.py:digit_share \
+    $TORCHRUN --nproc_per_node="$NPROC" bench_e2e.py --run-cell --fsdp=True --model="$D" --prompts_per_step=16 \
+        --group_size=8 --max_completion_len=512 --temperature=1.0 --reward=task,bench_e2e.py:digit_share \
         --gradient_checkpointing=True --micro_batch_tokens=16384 \
         --eval_every=0 --eval_size=4 --max_steps=4 --max_minutes=0 --lr=1e-6 --out_dir="$OUT" --overwrite=True "$@"
     echo "wall $(( $(date +%s) - t0 )) s (incl. loading)"
@@ -73,7 +73,7 @@ smollm2)
     if [ "$n" = 1 ]; then
         $PY grpo.py $FIXED --out_dir="$OUT" --overwrite=True "$@"
     else
-        $TORCHRUN --nproc_per_node="$n" grpo.py $FIXED --out_dir="$OUT" --overwrite=True "$@"
+        $TORCHRUN --nproc_per_node="$n" grpo.py --fsdp=True $FIXED --out_dir="$OUT" --overwrite=True "$@"
     fi
     smi_stop "/tmp/nanogrpo_smi_smollm2_${n}.csv"
     steps "$OUT/log.jsonl"

@@ -298,6 +298,8 @@ def read_trainer_state(ckpt):
 def check_resume(state, cfg, world, ckpt):
     """refuse a STRUCTURAL change (naming each key and both values), another process count (each rank's RNG stream
     and groups are its own) or another --fsdp (optimizer shards or one state) than ckpt's run; print other changes"""
+    if cfg.fsdp == "auto":  # resumed as ckpt's run went: sharded or replicas (one process: neither)
+        cfg.fsdp = world > 1 and state["optimizer"] is None
     saved = state["config"]
     def norm(k, v):  # the same local model directory, however it is written
         return os.path.realpath(os.path.expanduser(v)) if k == "model" and os.path.isdir(os.path.expanduser(v)) else v

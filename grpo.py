@@ -3,7 +3,7 @@ nanoGRPO: GRPO on one GPU, read top to bottom.
 
     python grpo.py                                   # the default: SmolLM2-135M-Instruct on synthetic arithmetic
     python grpo.py --task=countdown --lr=5e-6        # any config global (config.py) can be overridden as --key=value
-    torchrun --nproc_per_node=2 grpo.py              # 2 processes (FSDP2), each a device and half of each step's groups
+    torchrun --nproc_per_node=2 grpo.py              # 2 processes, each a device and half of each step's groups
 
 One step = one generation batch (prompts_per_step x group_size completions, sampled once; with dynamic_sampling,
 resampled until its groups carry signal), then num_iterations x steps_per_generation optimizer steps over it
@@ -30,7 +30,7 @@ from tasks import (TASKS, check_training_pool, load_task, make_reward, overlong_
 # ------------------------------------------------------------------------------------------------------------------
 # more than one process: `torchrun --nproc_per_node=N grpo.py ...`. Each rank generates and scores its own
 # prompts_per_step / N whole groups (advantages stay local) from its own RNG stream (seed + rank); the gradients sum
-# over the ranks (dist.py; FSDP2, --fsdp=False: replicas). The eval is sharded; rank 0 alone prints, logs, saves.
+# over the ranks (dist.py; replicas, or FSDP2: --fsdp). The eval is sharded; rank 0 alone prints, logs, saves.
 def shard_model(model, dt, dev):
     """FSDP2: fully_shard each decoder layer, then the root (embeddings, final norm, LM head: tied ones stay one
     parameter). The float32 weights, gradients and AdamW moments are sharded; forward and backward run in dt on gathered
@@ -245,7 +245,6 @@ def train(argv):
 
 def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     from tqdm import tqdm
-
     from transformers import AutoConfig
 
     from batching import free_gpu_bytes, prepare_buffer, update_step
@@ -262,9 +261,8 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     base = rank0_value(checkpoint.resolve_model_path(cfg.model, cfg.gguf_dir) if r == 0 else None)
     tokenizer = checkpoint.load_tokenizer(ckpt or base)
     encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)  # max_prompt_len: said before loading
-    sharded = world > 1 and cfg.fsdp
     if dev.type == "cuda":  # the state, a completion's K/V and its activations must fit: said before the weights load
-        asked = (cfg.gradient_checkpointing, cfg.micro_batch_tokens)  # auto and 0 are resolved in place
+        asked = (cfg.gradient_checkpointing, cfg.micro_batch_tokens, cfg.fsdp)  # auto and 0: resolved in place
         try:
             n_params, mc = checkpoint.parameter_count(base), AutoConfig.from_pretrained(base)
             kv_token = kv_bytes_per_token(mc, torch.finfo(dt).bits // 8)
@@ -274,9 +272,11 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
             print(f"(memory check skipped: {base}: {type(e).__name__}: {e})")
         if errors:
             raise ValueError("bad config:\n  " + "\n  ".join(errors))
-        gc_mbt = rank0_value((cfg.gradient_checkpointing is True, cfg.micro_batch_tokens or AUTO_TOKENS))
-        cfg.gradient_checkpointing, cfg.micro_batch_tokens = gc_mbt  # rank 0's: one recompute on every FSDP2 rank
-        print(f"memory: gradient_checkpointing, micro_batch_tokens = {gc_mbt} (asked: {asked})")
+        chosen = rank0_value((cfg.gradient_checkpointing is True, cfg.micro_batch_tokens or AUTO_TOKENS,
+                              world > 1 and cfg.fsdp is not False))  # (memory check skipped: auto is FSDP2)
+        cfg.gradient_checkpointing, cfg.micro_batch_tokens, cfg.fsdp = chosen  # rank 0's: the same on every rank
+        print(f"memory: gradient_checkpointing, micro_batch_tokens, fsdp = {chosen} (asked: {asked})")
+    sharded = world > 1 and cfg.fsdp
     checkpoint.open_trackers(cfg, state["step"] if state else 0)  # --report_to (rank 0's); train's finally closes
     # (FSDP2: loaded on the CPU, sharded to dev.) LoRA: the base from --model, the adapters from ckpt on resume
     policy = checkpoint.load_model(base if cfg.lora_r else ckpt or base, torch.device("cpu") if sharded else dev)

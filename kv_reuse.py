@@ -17,7 +17,6 @@ lower-right causal: HF's mask from our 2D (B*G, P-1+C) padding mask, or none if 
 """
 import contextlib
 import functools
-import gc
 import inspect
 import sys
 import traceback
@@ -29,7 +28,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from logprobs import time_ms, token_logprobs
+from logprobs import free, time_ms, token_logprobs
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # full-attention decoders whose trunk we have checked
 
@@ -275,8 +274,7 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
         if C > 1 and model.config._attn_implementation == "sdpa" and bool(prompt_mask.all()):
             mask = LowerRightCausal((B * G, 1, C, P - 1 + C), ids.device)  # flash, no materialized mask
             use_lower_right_sdpa()  # ...with the K/V heads unrepeated
-        out = trunk(input_ids=ids, attention_mask=mask, position_ids=pos_c, **cache_arg(trunk, prefix),
-                    use_cache=False)
+        out = trunk(input_ids=ids, attention_mask=mask, position_ids=pos_c, **cache_arg(trunk, prefix), use_cache=False)
     return out.last_hidden_state  # (B*G, C, H)
 
 
@@ -353,8 +351,7 @@ def bench_train(model, P, reuse, mixed=False):
         return None, None, None, "OOM" if oom else f"{type(e).__name__}: {e}"
     finally:
         model.zero_grad(set_to_none=True)
-        gc.collect()
-        torch.cuda.empty_cache()  # (a no-op where CUDA never started)
+        free()
 
 
 def main():

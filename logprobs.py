@@ -123,12 +123,8 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, entropy=True, impl=
 
 # ----------------------------------------------------------------------------------------------------------------
 # benchmark
-GPU_SHAPES = [  # (name, N tokens, H, V)
-    ("Llama-3-8B", 16384, 4096, 128256),
-    ("Qwen2.5-7B", 16384, 3584, 152064),
-    ("Gemma-2-2B", 8192, 2304, 256000),
-    ("Qwen2.5-0.5B", 32768, 896, 151936),
-]
+GPU_SHAPES = [("Llama-3-8B", 16384, 4096, 128256), ("Qwen2.5-7B", 16384, 3584, 152064),  # (name, N tokens, H, V)
+              ("Gemma-2-2B", 8192, 2304, 256000), ("Qwen2.5-0.5B", 32768, 896, 151936)]
 CPU_SHAPES = [("tiny-cpu", 256, 128, 4096)]  # the fused kernel runs interpreted here
 REF_ROWS = 1024  # reference chunk
 
@@ -167,6 +163,11 @@ def sync():
         torch.cuda.synchronize()
 
 
+def free():  # between benchmark rows: one's cached blocks do not count in the next's peak
+    gc.collect()
+    torch.cuda.empty_cache()  # (a no-op where CUDA never started)
+
+
 def time_ms(fn, reps):
     """the median ms of reps calls of fn, after one untimed (compiles, allocator); the benchmarks' clock"""
     fn()
@@ -200,9 +201,7 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
         z.t() @ hidden.detach()
     with torch.no_grad():
         floor_ms = time_ms(floor, reps)
-    gc.collect()
-    if dev == "cuda":
-        torch.cuda.empty_cache()
+    free()
     for impl in impls:
         def step():
             if impl == "liger":
@@ -214,9 +213,8 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
             return logp, ent, dH, dW
         row = dict(shape=name, N=N, H=H, V=V, impl=impl, floor_ms=round(floor_ms, 3))
         try:
-            ms = time_ms(step, reps)
+            ms = time_ms(step, reps)  # (it ends synchronized)
             if dev == "cuda":
-                torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
             out = step()
@@ -232,9 +230,7 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
             del out
         except torch.cuda.OutOfMemoryError:
             row.update(oom=True)
-        gc.collect()
-        if dev == "cuda":
-            torch.cuda.empty_cache()
+        free()
         print(_fmt(row), flush=True)
 
 

@@ -2094,7 +2094,10 @@ def test_grpo_auto_memory_sizes_checkpointing_and_micro_batch():
     tokens), the 1.5B 16 x 8 x 1024 and 7B LoRA cells the setting bench_step measured fastest (checkpointing, 32768:
     1.5B 5.78 s against 6.53 without it at 16384, H100, 2026-11-26); a 24 GiB GPU gets a smaller budget that still
     holds one completion; a length whose one completion cannot fit is refused with the numbers and what to set; values
-    a user gave are kept; on the CPU auto is 32768 tokens, no checkpointing. activation_bytes is above the GPU peaks
+    a user gave are kept; on the CPU auto is 32768 tokens, no checkpointing. --fsdp=auto under torchrun: replicas
+    where they fit with what FSDP2 would run (the 1.5B on 80 and 139 GiB), FSDP2 where replicas would need
+    checkpointing it does not (120 GiB) or do not fit (7B), or where nothing is known; resume keeps the checkpoint's;
+    the CPU's auto is FSDP2, LoRA's replicas. activation_bytes is above the GPU peaks
     (1.5B: 2.1 MiB a token without checkpointing; 7B LoRA: 0.70 with) and above what the tiny model's forward saves
     (saved_tensors_hooks), by less than 1.6x."""
     from transformers import AutoModelForCausalLM
@@ -2125,7 +2128,22 @@ def test_grpo_auto_memory_sizes_checkpointing_and_micro_batch():
     assert auto(c, 1.54e9, 79, q15) == (False, 16384, [])
     c = config.parse_config(["--device=cpu"])
     config.resolve(c)
-    assert (c.gradient_checkpointing, c.micro_batch_tokens) == (False, 32768)
+    assert (c.gradient_checkpointing, c.micro_batch_tokens, c.fsdp) == (False, 32768, True)
+
+    def auto2(c, n, free, mc):  # 2 ranks
+        err = config.memory_errors(c, n, 2, free * gib, 0, mc)
+        return c.gradient_checkpointing, c.micro_batch_tokens, c.fsdp, err
+    cell2 = ["--prompts_per_step=32", "--group_size=8", "--max_completion_len=1024"]  # 16 x 8 a rank
+    assert auto2(cfg(*cell2), 1.54e9, 79, q15) == (True, 32768, False, [])
+    assert auto2(cfg(*cell2), 1.54e9, 120, q15) == (False, 32768, True, [])
+    assert auto2(cfg(*cell2), 1.54e9, 139, q15) == (False, 32768, False, [])
+    assert auto2(cfg(*cell2), 7.6e9, 79, q7)[1:] == (8712, True, [])
+    assert auto2(cfg(*cell2), 1.54e9, 79, None)[2:] == (True, [])
+    import checkpoint
+    for optimizer, fsdp in ((None, True), ({}, False)):
+        c = cfg()
+        checkpoint.check_resume(dict(config=vars(cfg()), optimizer=optimizer, world_size=2), c, 2, "ckpt")
+        assert c.fsdp is fsdp
     assert_raises(ValueError, lambda: config.resolve(config.parse_config(["--gradient_checkpointing=maybe"])),
                   "True, False or auto")
     assert min(config.activation_bytes(cfg(), SimpleNamespace(hidden_size=64, num_hidden_layers=2,  # no
@@ -2289,10 +2307,14 @@ def test_lora_run_saves_peft_adapter_and_resumes():
                       "pip install peft")
     finally:
         importlib.util.find_spec = real
-    assert "--fsdp=False" in " ".join(config.lora_errors(config.parse_config(["--lora_r=4"]), 2))
+    assert "--fsdp=False" in " ".join(config.lora_errors(config.parse_config(["--lora_r=4", "--fsdp=True"]), 2))
+    assert not any("fsdp" in e for e in config.lora_errors(config.parse_config(["--lora_r=4"]), 2))  # auto: replicas
     if not _have("peft"):
         raise Skip("peft not installed: the run with --lora_r is not checked")
     from peft import PeftModel
+    c = config.parse_config(["--lora_r=4", "--device=cpu"])
+    config.resolve(c)
+    assert c.fsdp is False  # (--fsdp=auto with LoRA: replicas)
     out = tempfile.mkdtemp(prefix="nanogrpo_lora_")
     _write(os.path.join(out, "by_len.py"), "def reward(text, example):\n    return float(len(text)), False\n")
     args = _train_args(out, 2, "--lora_r=4", "--lora_dropout=0.0", "--beta=0.1", "--lr=1e-2", "--temperature=1.5",
