@@ -2,12 +2,13 @@
 # torchrun + FSDP2 on GPUs (issue 10), from the repo root of a box with >= 2 GPUs (kind nvidia-h200-x2):
 #   bash bench_fsdp.sh 7b [--key=value ...]         # random-weight Qwen2.5-7B-shaped model (no hub), 4 steps on
 #                                                   # NPROC (2) GPUs: seconds per step (gen, update), GiB per GPU
+#   NPROC=4 bash bench_fsdp.sh 14b | 32b            # ...Qwen2.5-14B / 32B-shaped (4 / 8 H200s)
 #   bash bench_fsdp.sh smollm2 1 [--key=value ...]  # the default config (SmolLM2-135M), 100 steps, 1 GPU
 #   bash bench_fsdp.sh smollm2 2 [--key=value ...]  # ...and on 2 GPUs at the same global batch: torchrun
 #   bash bench_fsdp.sh summary                      # the smollm2 runs side by side (gen/update s per step, held-out)
 # Each prints the per-step numbers from its log.jsonl (gen_s, update_s, peak_gib = rank 0's max_memory_allocated)
 # and, per GPU, the most memory nvidia-smi saw in use (allocator cache and NCCL buffers included).
-# 7b skips the final checkpoint (~90 GB of files: float32 weights + two AdamW shards); BENCH_SAVE=1 keeps it.
+# 7b/14b/32b skip the final checkpoint (7b: ~90 GB of files: float32 weights + AdamW shards); BENCH_SAVE=1 keeps it.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -50,18 +51,18 @@ EOF
 }
 
 case "$what" in
-7b)
-    D=/tmp/nanogrpo_q7b
-    $PY bench_e2e.py --model qwen2.5-7b "$D"  # built on GPU 0 in bf16 and saved (~15 GB) once; a character tokenizer
-    OUT=/tmp/nanogrpo_out7b
-    smi_start /tmp/nanogrpo_smi7b.csv
+7b|14b|32b)
+    D=/tmp/nanogrpo_q$what
+    $PY bench_e2e.py --model qwen2.5-$what "$D"  # built on GPU 0 in bf16, saved once (7b: ~15 GB); character tokenizer
+    OUT=/tmp/nanogrpo_out$what
+    smi_start /tmp/nanogrpo_smi$what.csv
     t0=$(date +%s)
     $TORCHRUN --nproc_per_node="$NPROC" bench_e2e.py --run-cell --fsdp=True --model="$D" --prompts_per_step=16 \
         --group_size=8 --max_completion_len=512 --temperature=1.0 --reward=task,bench_e2e.py:digit_share \
         --gradient_checkpointing=True --micro_batch_tokens=16384 \
         --eval_every=0 --eval_size=4 --max_steps=4 --max_minutes=0 --lr=1e-6 --out_dir="$OUT" --overwrite=True "$@"
     echo "wall $(( $(date +%s) - t0 )) s (incl. loading)"
-    smi_stop /tmp/nanogrpo_smi7b.csv
+    smi_stop /tmp/nanogrpo_smi$what.csv
     steps "$OUT/log.jsonl"
     ;;
 smollm2)
@@ -82,7 +83,7 @@ summary)
     for f in /tmp/nanogrpo_out_smollm2_*gpu/log.jsonl; do echo "== $f"; steps "$f"; done
     ;;
 *)
-    echo "usage: bash bench_fsdp.sh 7b|smollm2 N|summary [--key=value ...]" >&2
+    echo "usage: bash bench_fsdp.sh 7b|14b|32b|smollm2 N|summary [--key=value ...]" >&2
     exit 2
     ;;
 esac
