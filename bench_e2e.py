@@ -7,7 +7,7 @@ grpo lands, with its table in the change's note.
     python bench_e2e.py --streams=4              # the one-GPU cells in 4 streams over the GPUs: a check, no timing
     python bench_e2e.py --model qwen2.5-7b DIR   # just build a random-weight model directory (bench_fsdp.sh 7b)
 
-Each cell is a fresh process (torchrun for the 2-GPU cells, skipped with fewer GPUs), `--run-cell --key=value ...`:
+Each cell is a fresh process (torchrun for the 2- and 4-GPU cells, skipped with fewer GPUs), `--run-cell --key=value ...`:
 grpo.train with no checkpoint written unless BENCH_SAVE=1. gen and update are the last step's seconds (step 1 also
 compiles), gnorm its gradient norm (a reward with spread: digit_share); "decode" is the last rollout's path: compiled |
 graph (CUDA graphs, eager forward) | fallback (torch.compile failed: graphs, uncompiled) | eager | generate
@@ -139,8 +139,8 @@ for fsdp in (True, False):  # the same global batch over 2 processes
     CELLS[f"torchrun 2 qwen2.5-1.5b/4L T=1024 gc fsdp={fsdp}"] = (
         "qwen2.5-1.5b/4", ["--max_completion_len=1024", "--gradient_checkpointing=True", f"--fsdp={fsdp}"], 2)
     CELLS[f"torchrun 2 repro qwen2.5-1.5b fsdp={fsdp}"] = ("qwen2.5-1.5b", REPRO + [f"--fsdp={fsdp}"], 2)
-CELLS["torchrun 2 repro qwen2.5-1.5b weak"] = (  # twice the batch on 2 GPUs, --fsdp=auto: weak scaling against repro
-    "qwen2.5-1.5b", ["--prompts_per_step=32"] + [f for f in REPRO if not f.startswith("--prompts_per_step=")], 2)
+for n, p, name in ((2, 32, "weak"), (4, 16, "strong"), (4, 64, "weak")):  # --fsdp=auto; scaling against repro
+    CELLS[f"torchrun {n} repro qwen2.5-1.5b {name}"] = ("qwen2.5-1.5b", [f"--prompts_per_step={p}"] + REPRO[1:], n)
 
 
 def cell_command(nproc, args, script=__file__):
