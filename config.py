@@ -286,7 +286,7 @@ def memory_errors(cfg, n_params, world, gpu_bytes, kv_token=0, mc=None):
     state = lambda sharded: n_params * (dt_bytes if cfg.lora_r else 16 / (world if sharded else 1)  # noqa: E731
                                         + (dt_bytes if sharded or dt_bytes == 2 else 0) + dt_bytes * (cfg.beta > 0))
     if world > 1 and cfg.fsdp == "auto":  # FSDP2's checkpointing and micro-batch; replicas if those fit too (no
-        cfg.fsdp = True  # per-layer hooks, one all-reduce a step: 1.5B on 2 H200s, weak 1.92-1.95x, FSDP2 1.72-1.89x)
+        cfg.fsdp = True  # per-layer hooks, one all-reduce a step: 1.5B on 2 H200s, weak 1.92-1.98x, FSDP2 1.72-1.89x)
         errors = memory_errors(cfg, n_params, world, gpu_bytes, kv_token, mc)
         cfg.fsdp = bool(errors) or mc is None or (0.9 * (gpu_bytes - state(False)) - 2**30 < cfg.micro_batch_tokens
                                                    * activation_bytes(cfg, mc)[cfg.gradient_checkpointing is True])
