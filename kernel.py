@@ -1,30 +1,10 @@
 """
-Fused LM-head matmul + per-token log-prob + entropy, in Triton, forward and backward:
-    z    = hidden @ weight.T / temperature            # (N, V), never stored
-    lse  = logsumexp(z)                               # (N,)
-    logp = z[target] - lse                            # (N,)
-    ent  = lse - sum(softmax(z) * z)                  # (N,)
-
-Every generated token needs logp (and often ent); full logits hold N x V floats (16k tokens x 128k vocab = 8 GiB in
-fp32, several copies through autograd). Here they live only in registers, one (BLOCK_N, BLOCK_V) tile at a time:
-forward  (_fwd_kernel): the grid is (row blocks) x (vocab splits). Each program runs a K-loop of tl.dot over H for
-    each vocab block of its split and folds the tile into running per-row stats, max-shifted:
-        m  = running max,  s = sum exp(z - m),  w = sum exp(z - m) * (z - m)
-    when the max moves m -> m', both sums are rescaled by a = exp(m - m'):  s' = a*s,  w' = a*(w + (m - m')*s).
-    Keeping w relative to m keeps entropy exact under a large common offset on all logits. Per-split stats are
-    combined in torch (tiny, (splits, N)): lse = M + log S,  ent = log S - W / S.
-backward (per vocab chunk [v_lo, v_hi), bounded workspace ws (N, Vc) in the input dtype):
-    _bwd_dz_kernel recomputes the logits tile and writes, with the upstream grads g, g_ent folded in,
-        dz = (g * (onehot - p) - g_ent * p * (z - sum(p*z))) / T,    z - sum(p*z) = log p + ent
-    (the entropy gradient never goes through log p as a divisor: no NaN at p = 0), then
-        dW[v_lo:v_hi]  = ws^T @ hidden        cuBLAS, one GEMM over all N tokens: fp32 accumulate, one rounding
-        dH32          += ws @ weight[v_lo:v_hi]  cuBLAS addmm, bf16 in, fp32 accumulator (N, H) across chunks
-    Vocab chunks (not row chunks) because N < V: the cross-chunk fp32 accumulator is then (N, H), not (V, H).
-    Extra memory = N*H*4 (dH32) + N*Vc*elt (ws) <= EXTRA_BYTES while N*H*4 leaves room (else see MIN_CHUNK).
-Exact and reproducible: fp32 accumulation everywhere, no gradient filtering, no atomics, fixed block sizes (CONFIGS),
-so a rerun gives the same bits. Offsets are int64. Vocab columns past V are -inf (0 would inflate lse: verl #2656).
-Runs on CUDA (bf16/fp16 on tensor cores, fp32 with input_precision="ieee", not tf32), or on CPU tensors under
-TRITON_INTERPRET=1 set before import (fp32/fp16 only: tl.dot is wrong on bf16 there, triton #11584); else RuntimeError.
+Fused LM-head matmul + per-token log-prob + entropy in Triton, forward and backward (an autograd
+Function). Full fp32 logits (N x V, more than the model at RL batch sizes, copied by autograd) live
+here only in registers, a tile at a time. Torch references: logprobs.py's naive_logprobs, reference.
+Exact and reproducible: fp32 accumulation, fixed block sizes and no atomics give the same bits on a
+rerun. Left out: autotuning (the bits would depend on its pick) and skipping small gradients (not
+exact). Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 set before import (fp32/fp16).
 """
 import os
 
@@ -32,27 +12,45 @@ import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once: triton.jit reads it at decoration time
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as triton.jit does
 
-# block sizes by dtype (no autotune: reproducible bits, no startup cost): BLOCK_N x BLOCK_V logits tile, BLOCK_K along H
-# H100, bf16, forward at 16384 x 4096 x 128256 (ms): 128x256x64 w8 s3 26.3 | s4 29.0 | 256x128x64 w8 s3 31.3 |
-# 128x128x64 w8 s4 33.2 | w4 s4 35.8 | 128x256x128 w8 s2 36.9; GROUP_N 16: 26.3, 8: 29.4, 32: 30.6.
+# Block sizes by dtype: a (BLOCK_N, BLOCK_V) logits tile, BLOCK_K along H; picked by a sweep on an
+# H100. fp32 runs tl.dot with input_precision="ieee" (not tf32).
 CONFIGS = {
     torch.bfloat16: dict(BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3),
     torch.float16: dict(BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3),
     torch.float32: dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=32, num_warps=4, num_stages=3),
 }
-GROUP_N = 16  # row blocks that walk the vocab together, so their weight tiles are shared through L2
-EXTRA_BYTES = 480 * 2**20  # backward: dH32 + workspace, stays under 0.5 GiB at the benchmark shapes
-PART_BYTES = 64 * 2**20  # forward: per-split partial stats (4, splits, N) fp32
-MIN_CHUNK = 4096  # backward: never fewer vocab columns per chunk (past N*H*4 ~ EXTRA_BYTES memory grows instead)
+GROUP_N = 16  # row blocks that walk the vocab together, sharing their weight tiles through L2
+EXTRA_BYTES = 480 * 2**20  # backward: dH32 + the dz workspace
+PART_BYTES = 64 * 2**20  # forward: the per-split partial stats, (4, splits, N) fp32
+MIN_CHUNK = 4096  # backward: the fewest vocab columns a chunk (past it memory grows instead)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Triton kernels
+# ------------------------------------------------------------------------------------------------
+# Triton kernels. For hidden h (N, H), weight W (V, H), targets t (N,) and temperature T:
+#     z    = h @ W.T / T                    (N, V) logits, never stored
+#     lse  = logsumexp(z)                   (N,)
+#     logp = z[t] - lse                     (N,)
+#     ent  = lse - sum(softmax(z) * z)      (N,)
+# Forward (_fwd_kernel): the grid is (row blocks) x (vocab splits). A program computes the logits
+# tile of each vocab block in its split and folds it into running row stats about the max m so far:
+#     s = sum exp(z - m),   w = sum exp(z - m) * (z - m)
+#     when m -> m':   s' = a * s,   w' = a * (w + (m - m') * s),   a = exp(m - m')
+# (w relative to m keeps the entropy exact under a large common offset.) torch merges the per-split
+# stats the same way into M, S, W:   lse = M + log S,   ent = log S - W / S.
+# Backward (_backward), one vocab chunk [v_lo, v_hi) at a time, for upstream grads g (of logp) and
+# g_ent (of ent), with p = softmax(z) and z - sum(p * z) = log p + ent (no division: p = 0 is safe):
+#     dz = (g * (onehot(t) - p) - g_ent * p * (log p + ent)) / T
+# _bwd_dz_kernel recomputes the logits tile and writes dz into a workspace ws (N, Vc) in the input
+# dtype; then two cuBLAS GEMMs, each over all N rows (fp32 accumulation, one rounding):
+#     dW[v_lo:v_hi]  = ws.T @ h
+#     dH32          += ws @ W[v_lo:v_hi]     (N, H) fp32 accumulator across chunks
+# Chunks split the vocab, not the rows, because N < V: the fp32 accumulator is (N, H), not (V, H),
+# and the extra memory N*H*4 (dH32) + N*Vc*elt (ws) stays under EXTRA_BYTES while N*H*4 fits.
 @triton.jit
 def _swizzle(pid, num_pid_n, num_pid_v, GROUP_N: tl.constexpr):
-    # grouped order (Triton matmul tutorial): GROUP_N row blocks sweep the vocab side by side -> L2 reuse
+    # Grouped order (the Triton matmul tutorial): GROUP_N row blocks sweep the vocab side by side.
     num_pid_in_group = GROUP_N * num_pid_v
     group_id = pid // num_pid_in_group
     first_pid_n = group_id * GROUP_N
@@ -63,10 +61,12 @@ def _swizzle(pid, num_pid_n, num_pid_v, GROUP_N: tl.constexpr):
 
 
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, offs_n, offs_v, H, stride_hn, stride_hk, stride_wv, stride_wk,
-                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # (BLOCK_N, BLOCK_V) fp32 tile of hidden @ weight.T; offs_n/offs_v are int64 and already clamped in bounds
+def _logits_tile(
+    h_ptr, w_ptr, offs_n, offs_v, H, stride_hn, stride_hk, stride_wv, stride_wk,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # The (BLOCK_N, BLOCK_V) fp32 tile of hidden @ weight.T; offs_n, offs_v: int64, in bounds.
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + offs_n[:, None] * stride_hn + offs_k[None, :] * stride_hk  # (BLOCK_N, BLOCK_K)
     w_ptrs = w_ptr + offs_v[None, :] * stride_wv + offs_k[:, None] * stride_wk  # (BLOCK_K, BLOCK_V)
@@ -84,38 +84,40 @@ def _logits_tile(h_ptr, w_ptr, offs_n, offs_v, H, stride_hn, stride_hk, stride_w
     return acc
 
 
-# Triton compiles a kernel per "specialization" of its integer arguments (== 1, divisible by 16): each new class of the
-# token count, which changes every micro-batch, would recompile both kernels mid-step (0.7-2.3 s on an H200). So
-# fused_logprobs pads N to a multiple of 16 (8% faster than unspecialized), and the split counts are not specialized.
+# Triton compiles a variant per "specialization" of the integer arguments (== 1, divisible by 16).
+# N changes every micro-batch, and a new class would recompile both kernels mid-step: so
+# fused_logprobs pads N to a multiple of 16, and the split counts are not specialized at all.
 @triton.jit(do_not_specialize=["blocks_per_split", "num_splits"])
-def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, H, inv_temp, blocks_per_split, num_splits,
-                stride_hn, stride_hk, stride_wv, stride_wk, stride_pq, stride_ps,
-                ENTROPY: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
+def _fwd_kernel(
+    h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, H, inv_temp, blocks_per_split, num_splits,
+    stride_hn, stride_hk, stride_wv, stride_wk, stride_pq, stride_ps,
+    ENTROPY: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+):
     pid_n, pid_s = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_N)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    offs_n = tl.where(mask_n, offs_n, N - 1)  # clamp: rows past N compute garbage that is never stored
+    offs_n = tl.where(mask_n, offs_n, N - 1)  # clamp: rows past N compute garbage, never stored
     tgt = tl.load(tgt_ptr + offs_n)
     m_i = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)  # running max
     s_i = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum exp(z - m)
     w_i = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum exp(z - m) * (z - m)
-    zt_i = tl.zeros((BLOCK_N,), dtype=tl.float32)  # z[target] if the target is in this split, else 0
+    zt_i = tl.zeros((BLOCK_N,), dtype=tl.float32)  # z[target] if target is in this split, else 0
     v_begin = pid_s * blocks_per_split * BLOCK_V
     v_end = tl.minimum(v_begin + blocks_per_split * BLOCK_V, V)
     for v0 in range(v_begin, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         valid = offs_v < V
         offs_v_ld = tl.where(valid, offs_v, V - 1).to(tl.int64)
-        z = _logits_tile(h_ptr, w_ptr, offs_n, offs_v_ld, H, stride_hn, stride_hk, stride_wv, stride_wk,
-                         BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION) * inv_temp
-        z = tl.where(valid[None, :], z, float("-inf"))  # padded vocab: -inf, exp() = 0
+        z = _logits_tile(h_ptr, w_ptr, offs_n, offs_v_ld, H, stride_hn, stride_hk, stride_wv,
+                         stride_wk, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, DOT_PRECISION) * inv_temp
+        z = tl.where(valid[None, :], z, float("-inf"))  # padded vocab: exp(-inf) = 0 adds nothing
         m_new = tl.maximum(m_i, tl.max(z, axis=1))
         alpha = tl.exp(m_i - m_new)  # 0 on the first block (m_i = -inf)
         e = tl.exp(z - m_new[:, None])
         if ENTROPY:
-            zs = tl.where(valid[None, :], z - m_new[:, None], 0.0)  # z - m', 0 (not -inf*0 = nan) when padded
-            shift = tl.where(s_i > 0, m_i - m_new, 0.0)  # (m - m') * s, guarded: -inf * 0 on the first block
+            zs = tl.where(valid[None, :], z - m_new[:, None], 0.0)  # z - m', 0 if padded (not nan)
+            shift = tl.where(s_i > 0, m_i - m_new, 0.0)  # m - m', 0 on the first block (not nan)
             w_i = alpha * (w_i + shift * s_i) + tl.sum(e * zs, axis=1)
         s_i = alpha * s_i + tl.sum(e, axis=1)
         zt_i += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
@@ -127,12 +129,17 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, H, inv_temp, blocks_per_s
     tl.store(out + 3 * stride_pq, zt_i, mask=mask_n)
 
 
-@triton.jit  # (N a multiple of 16; v_lo, v_hi and ws's stride multiples of BLOCK_V, or V: one class a run)
-def _bwd_dz_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, g_ptr, gent_ptr, ws_ptr,
-                   N, V, H, v_lo, v_hi, inv_temp, stride_hn, stride_hk, stride_wv, stride_wk, stride_wsn,
-                   HAS_G: tl.constexpr, HAS_GENT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
-    pid_n, pid_v = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
+# No do_not_specialize here: N is a multiple of 16, and v_lo, v_hi and ws's stride are multiples of
+# BLOCK_V (or V), so a run sees one class.
+@triton.jit
+def _bwd_dz_kernel(
+    h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, g_ptr, gent_ptr, ws_ptr, N, V, H, v_lo, v_hi, inv_temp,
+    stride_hn, stride_hk, stride_wv, stride_wk, stride_wsn,
+    HAS_G: tl.constexpr, HAS_GENT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+):
+    pid_n, pid_v = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V),
+                            GROUP_N)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_n = tl.where(mask_n, offs_n, N - 1)
@@ -158,18 +165,20 @@ def _bwd_dz_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, g_ptr, gent_ptr, ws_
     tl.store(ws_ptrs, dz.to(ws_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_v[None, :])
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # checks and launch glue
 def check_inputs(hidden, weight, targets, temperature):
-    """ValueError saying what is wrong and what to pass instead; shared by every impl in logprobs.py."""
+    """Raise a ValueError saying what is wrong and what to pass instead (every impl calls this)."""
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if weight.dim() != 2:
-        raise ValueError(f"weight must be (V, H) like lm_head.weight, got shape {tuple(weight.shape)}")
+        raise ValueError(f"weight must be (V, H) like lm_head.weight, "
+                         f"got shape {tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden (..., H) must have H = weight.shape[1] = {weight.shape[1]}, got shape "
-                         f"{tuple(hidden.shape)}; pass lm_head.weight (V, H), not its transpose")
+        raise ValueError(f"hidden (..., H) must have H = weight.shape[1] = {weight.shape[1]}, "
+                         f"got shape {tuple(hidden.shape)}; "
+                         f"pass lm_head.weight (V, H), not its transpose")
     if hidden.dtype != weight.dtype or hidden.dtype not in CONFIGS:
         raise ValueError(f"hidden and weight must share one dtype of float32/float16/bfloat16, got "
                          f"{hidden.dtype} and {weight.dtype}; cast one to the other")
@@ -190,20 +199,23 @@ def check_inputs(hidden, weight, targets, temperature):
         lo, hi = torch.stack(torch.aminmax(targets)).tolist()  # one host sync
         if lo < 0 or hi >= V:
             raise ValueError(f"targets must be in [0, V={V}), got values in [{lo}, {hi}]; "
-                             f"mask padding ids (e.g. -100) to a valid id and drop them from the loss")
+                             f"mask padding ids (e.g. -100) to a valid id and drop them "
+                             f"from the loss")
 
 
 def _launch_args(hidden, weight):
     cfg = CONFIGS[hidden.dtype]
     H = hidden.shape[1]
-    meta = dict(EVEN_K=H % cfg["BLOCK_K"] == 0, DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else None,
-                BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"], GROUP_N=GROUP_N,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    meta = dict(EVEN_K=H % cfg["BLOCK_K"] == 0,
+                DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else None,
+                BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
+                GROUP_N=GROUP_N, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return cfg, meta
 
 
 def _forward(hidden, weight, targets, temperature, entropy):
-    N, H = hidden.shape  # hidden (N, H), weight (V, H), targets (N,) int64 -> logp, ent (or None), lse: fp32 (N,)
+    """hidden (N, H), weight (V, H), targets (N,) int64 -> fp32 (N,) logp, ent (or None), lse."""
+    N, H = hidden.shape
     V = weight.shape[0]
     cfg, meta = _launch_args(hidden, weight)
     n_vblocks = triton.cdiv(V, cfg["BLOCK_V"])
@@ -212,11 +224,11 @@ def _forward(hidden, weight, targets, temperature, entropy):
     num_splits = triton.cdiv(n_vblocks, blocks_per_split)
     part = torch.empty((4, num_splits, N), dtype=torch.float32, device=hidden.device)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]) * num_splits,)
-    _fwd_kernel[grid](hidden, weight, targets, part, N, V, H, 1.0 / temperature, blocks_per_split, num_splits,
-                      hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-                      part.stride(0), part.stride(1), ENTROPY=entropy, **meta)
+    _fwd_kernel[grid](hidden, weight, targets, part, N, V, H, 1.0 / temperature, blocks_per_split,
+                      num_splits, hidden.stride(0), hidden.stride(1), weight.stride(0),
+                      weight.stride(1), part.stride(0), part.stride(1), ENTROPY=entropy, **meta)
     m, s, w, zt = part.unbind(0)  # (splits, N) each
-    M = m.max(0).values  # merge the splits: same rescaling as inside the kernel
+    M = m.max(0).values  # merge the splits: the same rescaling as inside the kernel
     a = torch.exp(m - M)
     S = (a * s).sum(0)
     lse = M + torch.log(S)
@@ -229,8 +241,8 @@ def _forward(hidden, weight, targets, temperature, entropy):
 
 
 def _acc_dh(dH32, dz, w_c):
-    """dH32 (N, H) fp32 += dz (N, vc) @ w_c (vc, H). bf16/fp16 on CUDA: one cuBLAS call that adds into the fp32 C in
-    place (addmm's out_dtype overload, torch >= 2.8): no (N, H) temporary, no rounding of the running sum."""
+    """dH32 (N, H) fp32 += dz (N, vc) @ w_c (vc, H). On CUDA in bf16/fp16, one cuBLAS call adds into
+    the fp32 dH32 in place (addmm's out_dtype, torch >= 2.8): no temporary, the sum stays fp32."""
     if dz.is_cuda and dz.dtype != torch.float32:
         torch.addmm(dH32, dz, w_c, torch.float32, out=dH32)
     else:
@@ -238,6 +250,7 @@ def _acc_dh(dH32, dz, w_c):
 
 
 def _backward(hidden, weight, targets, lse, ent, g, g_ent, temperature, need_dh, need_dw):
+    """-> dH (N, H) in hidden's dtype and dW (V, H), each None unless needed (math: above)."""
     N, H = hidden.shape
     V = weight.shape[0]
     cfg, meta = _launch_args(hidden, weight)
@@ -249,19 +262,19 @@ def _backward(hidden, weight, targets, lse, ent, g, g_ent, temperature, need_dh,
     ws = torch.empty((N, Vc), dtype=hidden.dtype, device=hidden.device)  # the bounded dz workspace
     dH32 = torch.zeros((N, H), dtype=torch.float32, device=hidden.device) if need_dh else None
     dW = torch.empty_like(weight) if need_dw else None
-    dummy = lse  # stands in for absent pointers (never read: HAS_G / HAS_GENT are constexpr False)
+    dummy = lse  # stands in for absent pointers, never read (HAS_G / HAS_GENT are False then)
     for v_lo in range(0, V, Vc):
         v_hi = min(v_lo + Vc, V)
         grid = (triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(v_hi - v_lo, BV),)
         _bwd_dz_kernel[grid](hidden, weight, targets, lse, ent if ent is not None else dummy,
-                             g if g is not None else dummy, g_ent if g_ent is not None else dummy, ws,
-                             N, V, H, v_lo, v_hi, 1.0 / temperature, hidden.stride(0), hidden.stride(1),
-                             weight.stride(0), weight.stride(1), ws.stride(0),
+                             g if g is not None else dummy, g_ent if g_ent is not None else dummy,
+                             ws, N, V, H, v_lo, v_hi, 1.0 / temperature, hidden.stride(0),
+                             hidden.stride(1), weight.stride(0), weight.stride(1), ws.stride(0),
                              HAS_G=g is not None, HAS_GENT=g_ent is not None, **meta)
         dz = ws[:, : v_hi - v_lo]  # (N, vc)
-        if need_dw:  # all N tokens in one GEMM: fp32 accumulate inside cuBLAS, one rounding
+        if need_dw:  # all N tokens in one GEMM: fp32 accumulation inside cuBLAS, one rounding
             torch.mm(dz.t(), hidden, out=dW[v_lo:v_hi])
-        if need_dh:  # dH32 += dz @ weight[v_lo:v_hi], fp32 accumulate and fp32 add
+        if need_dh:  # dH32 += dz @ weight[v_lo:v_hi], fp32 accumulation and fp32 add
             _acc_dh(dH32, dz, weight[v_lo:v_hi])
     return (dH32.to(hidden.dtype) if need_dh else None), dW
 
@@ -269,7 +282,7 @@ def _backward(hidden, weight, targets, lse, ent, g, g_ent, temperature, need_dh,
 class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, entropy):
-        ctx.set_materialize_grads(False)  # absent upstream grads arrive as None: their work is skipped
+        ctx.set_materialize_grads(False)  # absent upstream grads arrive as None: no work for them
         if hidden.shape[0] == 0:
             logp = hidden.new_zeros(0, dtype=torch.float32)
             ent = hidden.new_zeros(0, dtype=torch.float32) if entropy else None
@@ -286,7 +299,7 @@ class _FusedLogprobs(torch.autograd.Function):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if g_ent is not None and ent is None:
             g_ent = None
-        # a zero upstream grad does no work: one host sync, small next to the GEMMs
+        # An all-zero upstream grad does no work: one host sync, small next to the GEMMs.
         live = [x for x in (g, g_ent) if x is not None]
         nonzero = torch.stack([x.any() for x in live]).tolist() if live else []
         if g is not None and not nonzero.pop(0):
@@ -298,28 +311,29 @@ class _FusedLogprobs(torch.autograd.Function):
                     torch.zeros_like(weight) if need_dw else None, None, None, None)
         g = g.contiguous().float() if g is not None else None
         g_ent = g_ent.contiguous().float() if g_ent is not None else None
-        dH, dW = _backward(hidden, weight, targets, lse, ent, g, g_ent, ctx.temperature, need_dh, need_dw)
+        dH, dW = _backward(hidden, weight, targets, lse, ent, g, g_ent, ctx.temperature,
+                           need_dh, need_dw)
         return dH, dW, None, None, None
 
 
 def fused_logprobs(hidden, weight, targets, temperature=1.0, entropy=True):
-    """hidden (..., H), weight (V, H) of one dtype (float32/float16/bfloat16), targets (...) integer ids in [0, V).
-    Returns float32 (logp, ent) shaped like targets; ent is None when entropy=False (no entropy work then).
-    Differentiable w.r.t. hidden and weight, logp and ent each with its own per-token upstream gradient. N is padded to
-    a multiple of 16 (a copy of hidden: see _fwd_kernel). Memory, and where it runs: the module docstring."""
+    """hidden (..., H) and weight (V, H) of one dtype (float32/float16/bfloat16), targets (...)
+    integer ids in [0, V). Returns float32 (logp, ent) shaped like targets; ent is None (and not
+    computed) when entropy=False. Differentiable w.r.t. hidden and weight, with an upstream gradient
+    for each of logp and ent. N is padded to a multiple of 16 (copies hidden; see _fwd_kernel)."""
     check_inputs(hidden, weight, targets, temperature)
     if hidden.device.type != "cuda" and not INTERPRET:
-        raise RuntimeError(f"fused_logprobs runs Triton kernels: it needs CUDA tensors (got {hidden.device}) or "
-                           f"TRITON_INTERPRET=1 set before importing kernel.py; on a CPU use "
-                           f"logprobs.token_logprobs(..., impl='chunked')")
+        raise RuntimeError(f"fused_logprobs runs Triton kernels: it needs CUDA tensors "
+                           f"(got {hidden.device}) or TRITON_INTERPRET=1 set before importing "
+                           f"kernel.py; on a CPU use logprobs.token_logprobs(..., impl='chunked')")
     if hidden.dtype == torch.bfloat16 and INTERPRET:
-        raise ValueError("bfloat16 under TRITON_INTERPRET gives wrong tl.dot results (triton #11584); "
+        raise ValueError("bfloat16 under TRITON_INTERPRET gives wrong tl.dot results; "
                          "use float32/float16 on a CPU or run on a GPU")
     shape = targets.shape
     h2 = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     t1 = targets.reshape(-1).to(torch.int64).contiguous()  # (N,)
     n, pad = t1.numel(), -t1.numel() % 16
-    if pad:  # (zero rows, target 0: their logp/ent are dropped, so their gradient is 0)
+    if pad:  # zero rows with target 0: their logp/ent are dropped, so their gradient is 0
         h2, t1 = torch.nn.functional.pad(h2, (0, 0, 0, pad)), torch.nn.functional.pad(t1, (0, pad))
     logp, ent = _FusedLogprobs.apply(h2, weight, t1, float(temperature), bool(entropy))
     return logp[:n].view(shape), (ent[:n].view(shape) if ent is not None else None)

@@ -1,14 +1,14 @@
 """
-Per-token log-probs and entropies of the LM head, three ways, one signature (kernel.fused_logprobs'; math: kernel.py):
-    token_logprobs(hidden, weight, targets, temperature=1.0, entropy=True, impl="fused") -> (logp, ent)
-    naive    full (N, V) logits, upcast to fp32 after the matmul, the way TRL does it: simple, O(N*V) memory
-    chunked  torch, rows in chunks (chunk x V fp32 logits at a time), recomputed in backward; dW accumulates chunk by
-             chunk in the weight's dtype (addmm_, as Liger: bf16 dW rounds once a chunk). Runs anywhere: the CPU choice.
-    fused    kernel.fused_logprobs: Triton, logits never leave registers, fp32 accumulation throughout. Where it
-             runs: kernel.py's docstring; elsewhere a RuntimeError says to pass impl="chunked" (no silent fallback).
-
-`python logprobs.py` benchmarks them (bf16 on a GPU, fp32 on a CPU) against a chunked fp32 (CPU: fp64) reference and the
-four cuBLAS GEMMs of each shape (the floor any recompute scheme pays), and liger_logprobs if installed.
+Per-token log-probs and entropies of the LM head, three ways behind one signature (math: kernel.py):
+    token_logprobs(hidden, weight, targets, temperature, entropy, impl="fused") -> (logp, ent)
+    naive    full (N, V) logits, fp32 after the matmul, the way TRL does it: simple, O(N*V) memory.
+    chunked  torch, C rows of fp32 logits at a time, recomputed in backward; dW accumulates in the
+             weight's dtype chunk by chunk, as in Liger. Runs anywhere: the CPU choice.
+    fused    kernel.fused_logprobs: Triton, logits never leave registers, fp32 accumulation. Where
+             it cannot run, a RuntimeError says to pass impl="chunked" (no silent fallback).
+`python logprobs.py` benchmarks them (bf16 on a GPU, fp32 on a CPU) against a chunked fp32 (CPU:
+fp64) reference, the four cuBLAS GEMMs of each shape (the floor any recompute scheme pays) and
+Liger's fused loss if installed.
 """
 import gc
 import os
@@ -18,7 +18,7 @@ import time
 import torch
 
 if __name__ == "__main__" and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # the benchmark on a CPU runs the fused kernel interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # a CPU runs the fused kernel interpreted
 
 from kernel import check_inputs, fused_logprobs  # noqa: E402
 
@@ -26,7 +26,7 @@ CHUNK_BYTES = 512 * 2**20  # chunked impl: fp32 logits per row chunk
 
 
 def _logits(hidden, weight, temperature):
-    # (n, H) @ (H, V) in the input dtype (tensor cores), then fp32: what a model's lm_head + .float() gives
+    # (n, H) @ (H, V) in the input dtype (tensor cores), then fp32: what lm_head + .float() gives.
     return (hidden @ weight.t()).float() / temperature
 
 
@@ -35,13 +35,14 @@ def naive_logprobs(hidden, weight, targets, temperature=1.0, entropy=True):
     z = _logits(hidden, weight, temperature)  # (..., V) fp32, all of it
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1) - lse
-    ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if entropy else None  # TRL's entropy_from_logits
+    ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if entropy else None  # as TRL computes it
     return logp, ent
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, entropy):  # hidden (N, H), weight (V, H), targets (N,) int64
+    def forward(ctx, hidden, weight, targets, temperature, entropy):
+        # hidden (N, H), weight (V, H), targets (N,) int64
         ctx.set_materialize_grads(False)
         N, C = hidden.shape[0], _chunk_rows(weight.shape[0])
         logp = hidden.new_empty(N, dtype=torch.float32)
@@ -52,7 +53,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             lse_c = torch.logsumexp(z, dim=-1)
             logp[r0:r0 + C] = z.gather(1, targets[r0:r0 + C, None])[:, 0] - lse_c
             lse[r0:r0 + C] = lse_c
-            if entropy:  # -sum p log p: no cancellation between two large terms under a common offset
+            if entropy:  # -sum p log p: no cancellation of two large terms under a common offset
                 logp_all = z - lse_c[:, None]
                 ent[r0:r0 + C] = -(logp_all.exp() * logp_all).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
@@ -106,11 +107,12 @@ IMPLS = {"naive": naive_logprobs, "chunked": chunked_logprobs, "fused": fused_lo
 
 
 def liger_logprobs(hidden, weight, targets, temperature=1.0):
-    """Liger's fused linear cross-entropy (pip install liger-kernel), reduction="none": per-token -logp and grads. No
-    entropy output, so its `python logprobs.py` row does less work than ours (logp only); not one of IMPLS."""
+    """Liger's fused linear cross-entropy (pip install liger-kernel), reduction="none": -logp per
+    token. No entropy output, so its benchmark row does less work than ours; not one of IMPLS."""
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
     h = hidden / temperature if temperature != 1.0 else hidden  # z = (h / T) @ W^T
-    loss = LigerFusedLinearCrossEntropyFunction.apply(h, weight, targets, None, None, -100, 0.0, 0.0, "none")[0]
+    loss = LigerFusedLinearCrossEntropyFunction.apply(
+        h, weight, targets, None, None, -100, 0.0, 0.0, "none")[0]
     return -loss.float(), None
 
 
@@ -121,19 +123,20 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, entropy=True, impl=
     return IMPLS[impl](hidden, weight, targets, temperature, entropy)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# benchmark
-GPU_SHAPES = [("Llama-3-8B", 16384, 4096, 128256), ("Qwen2.5-7B", 16384, 3584, 152064),  # (name, N tokens, H, V)
+# ------------------------------------------------------------------------------------------------
+# benchmark; a shape is (name, N tokens, H, V)
+GPU_SHAPES = [("Llama-3-8B", 16384, 4096, 128256), ("Qwen2.5-7B", 16384, 3584, 152064),
               ("Gemma-2-2B", 8192, 2304, 256000), ("Qwen2.5-0.5B", 32768, 896, 151936)]
 CPU_SHAPES = [("tiny-cpu", 256, 128, 4096)]  # the fused kernel runs interpreted here
 REF_ROWS = 1024  # reference chunk
 
 
 def reference(hidden, weight, targets, temperature, g, g_ent, dtype):
-    """logp, ent, dH, dW in `dtype` (fp32 on GPU, no tf32; fp64 on CPU), rows in chunks so it fits."""
+    """logp, ent, dH, dW in `dtype` (fp32 on GPU without tf32, fp64 on CPU), rows in chunks."""
     w = weight.to(dtype)
     N = hidden.shape[0]
-    logp, ent = torch.empty(N, dtype=dtype, device=w.device), torch.empty(N, dtype=dtype, device=w.device)
+    logp, ent = (torch.empty(N, dtype=dtype, device=w.device),
+                 torch.empty(N, dtype=dtype, device=w.device))
     dH, dW = torch.empty(hidden.shape, dtype=dtype, device=w.device), torch.zeros_like(w)
     for r0 in range(0, N, REF_ROWS):
         sl = slice(r0, r0 + REF_ROWS)
@@ -169,7 +172,7 @@ def free():  # between benchmark rows: one's cached blocks do not count in the n
 
 
 def time_ms(fn, reps):
-    """the median ms of reps calls of fn, after one untimed (compiles, allocator); the benchmarks' clock"""
+    """The median ms of reps calls of fn, after one untimed call (compiles, allocator warm-up)."""
     fn()
     times = []
     for _ in range(reps):
@@ -184,14 +187,16 @@ def time_ms(fn, reps):
 def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
     torch.manual_seed(0)
     hidden = torch.randn(N, H, device=dev, dtype=dtype).requires_grad_()
-    weight = (torch.randn(V, H, device=dev, dtype=dtype) * (2.0 / H**0.5)).requires_grad_()  # logits std ~2
+    # scaled so that the logits have std ~2
+    weight = (torch.randn(V, H, device=dev, dtype=dtype) * (2.0 / H**0.5)).requires_grad_()
     targets = torch.randint(0, V, (N,), device=dev)
     g, g_ent = torch.randn(N, device=dev), torch.randn(N, device=dev)
     ref_dtype = torch.float32 if dev == "cuda" else torch.float64
     ref = reference(hidden.detach(), weight.detach(), targets, T, g, g_ent, ref_dtype)
     # the liger row has no entropy: its dH, dW are compared with the gradient of logp alone
-    ref_logp_only = reference(hidden.detach(), weight.detach(), targets, T, g, torch.zeros_like(g_ent),
-                              ref_dtype) if "liger" in impls else None
+    ref_logp_only = (reference(hidden.detach(), weight.detach(), targets, T, g,
+                               torch.zeros_like(g_ent), ref_dtype)
+                     if "liger" in impls else None)
     grad_bytes = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
 
     def floor():  # x @ W^T, the recompute, dz @ W, dz^T @ x: four cuBLAS GEMMs of this shape
@@ -225,7 +230,8 @@ def bench_shape(name, N, H, V, dev, dtype, impls, reps, T=1.0):
                 peak = None  # no allocator statistics on a CPU
             want = ref_logp_only if impl == "liger" else ref
             errs = [None if a is None else rel_err(a, b) for a, b in zip(out, want)]
-            row.update(ms=round(ms, 3), ratio=round(ms / floor_ms, 3), peak_gib=peak and round(peak, 3),
+            row.update(ms=round(ms, 3), ratio=round(ms / floor_ms, 3),
+                       peak_gib=peak and round(peak, 3),
                        err_logp=errs[0], err_ent=errs[1], err_dh=errs[2], err_dw=errs[3])
             del out
         except torch.cuda.OutOfMemoryError:
@@ -258,13 +264,14 @@ def main():
     reps = 5 if dev == "cuda" else 1
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     print(f"device={name} dtype={str(dtype).split('.')[-1]} torch={torch.__version__} "
-          f"ms = median of {reps} fwd+bwd (entropy on, per-token grads for logp and ent); floor = 4 cuBLAS GEMMs; "
-          f"peak = GiB beyond inputs and grads; err = ||x - ref|| / ||ref|| vs "
-          f"{'fp32' if dev == 'cuda' else 'fp64'} reference")
-    try:  # the fused kernel users compare to
+          f"ms = median of {reps} fwd+bwd (entropy on, per-token grads for logp and ent); "
+          f"floor = 4 cuBLAS GEMMs; peak = GiB beyond inputs and grads; "
+          f"err = ||x - ref|| / ||ref|| vs {'fp32' if dev == 'cuda' else 'fp64'} reference")
+    try:  # Liger: the fused kernel users compare with
         import liger_kernel  # noqa: F401
         impls.append("liger")
-        print("(liger row: Liger's fused linear cross-entropy, reduction='none', logp only: no entropy work)")
+        print("(liger row: Liger's fused linear cross-entropy, reduction='none', "
+              "logp only: no entropy work)")
     except ImportError:
         print("(liger_kernel not installed: no liger row)")
     print(f"{'shape':<13} {'impl':<8} {'ms':>9} {'floor_ms':>9} {'ratio':>6} {'peak_GiB':>8} "
