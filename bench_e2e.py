@@ -229,7 +229,7 @@ def main(args):
         rows = [r for rs in pool.map(lambda s: [row(k, s) for k in one[s::streams]], range(streams)) for r in rs]
     rows += [row(k) for k in cells if k not in one]
     ran = [r for r in rows if not r.get("skipped")]
-    print(f"{sum(r['ok'] for r in ran)} passed, {sum(not r['ok'] for r in ran)} failed, "
+    print(f"cells: {sum(r['ok'] for r in ran)} ok, {sum(not r['ok'] for r in ran)} failed, "
           f"{len(rows) - len(ran)} skipped")
     with open(os.path.join(BENCH_DIR, "table.json"), "w") as f:
         json.dump(rows, f, indent=1)

@@ -1,8 +1,11 @@
 """
-torchrun's ranks for grpo, checkpoint and batching: who is who, sums (and logged stats: stat_op) over them, FSDP2 units.
-Under `torchrun --nproc_per_node=N grpo.py` every rank holds whole groups of the generation batch; batching counts the
-loss normalizers over the ranks (global_sum), so the SUM over ranks of the ranks' gradients is the one-process gradient
-of the whole batch. Plain `python grpo.py` sets no RANK: rank 0 of 1, and every helper here is the identity or a no-op.
+torchrun's ranks: who is who, sums and logged stats over the ranks, FSDP2's sharding and units.
+
+Under `torchrun --nproc_per_node=N grpo.py` every rank holds whole groups of the step's batch and
+samples them from its own RNG stream (seed + rank). batching counts the loss normalizers over all
+ranks (global_sum), so the SUM over ranks of the ranks' gradients is the one-process gradient of the
+whole batch. Rank 0 alone prints, logs and saves; the held-out eval is sharded. Plain
+`python grpo.py` sets no RANK: rank 0 of 1, and every helper here is the identity or a no-op.
 """
 import contextlib
 import math
@@ -13,19 +16,21 @@ import torch
 
 
 def setup_distributed(cfg, dev):
-    """the process group from torchrun's environment; returns (rank, world size, this rank's device)"""
+    """the process group from torchrun's environment -> (rank, world size, this rank's device)"""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1, dev
     import datetime
     import torch.distributed as dist
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", 0))
     if dev.type == "cuda":
         dev = torch.device("cuda", local)  # one GPU per process
         torch.cuda.set_device(dev)
+    # a timeout, so that a rank that died leaves the others an error, not an endless hang
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(minutes=cfg.dist_timeout_minutes))  # no endless hang
+                            timeout=datetime.timedelta(minutes=cfg.dist_timeout_minutes))
     if rank != 0:
-        sys.stdout = open(os.devnull, "w")  # rank 0 prints; errors (stderr) still show from every rank
+        sys.stdout = open(os.devnull, "w")  # rank 0 prints; every rank's errors still show
     return rank, world, dev
 
 
@@ -41,17 +46,55 @@ def world_size():
     return torch.distributed.get_world_size() if distributed() else 1
 
 
+def shard_model(model, dt, dev, root_methods=()):
+    """FSDP2: each decoder layer a unit, then the root (embeddings, final norm, LM head; a tied
+    weight stays one parameter). The float32 weights, gradients and AdamW moments are sharded over
+    the ranks; forward and backward run in dt on gathered weights; gradients are reduce-scattered in
+    float32 as a plain SUM (the loss weights already hold the global normalizers).
+    A unit stays gathered until the mini-batch's backward ends (batching.backward reshards): the
+    prompt-once forward (kv_reuse.py) runs each layer twice, prompt then completions, and the
+    prompt's backward comes after the completions' post-backward hook, which would have freed the
+    weights it reads. root_methods {name: fn(model, *args)}: each becomes a forward method of the
+    root, so it runs on gathered weights (the fused loss reads the LM head's weight itself)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (MixedPrecisionPolicy, fully_shard,
+                                        register_fsdp_forward_method)
+    mesh = init_device_mesh(dev.type, (world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=None if dt == torch.float32 else dt,
+                              reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    model.set_reshard_after_backward(False)  # (recursive) resharded after the mini-batch instead
+    for m in fsdp_modules(model):
+        m.set_gradient_divide_factor(1.0)  # a sum over the ranks, not FSDP's default mean,
+        m.set_force_sum_reduction_for_comms(True)  # as a plain SUM (gloo has no PREMUL_SUM)
+    for name, fn in dict(root_methods).items():
+        setattr(model, name, root_method(model, fn))
+        register_fsdp_forward_method(model, name)
+    return model
+
+
+def root_method(model, fn):
+    """fn(model, *args) as a method of model; its tensors cloned, since FSDP hooks the outputs of a
+    forward method and a view of them would not do"""
+    def method(*args):
+        return tuple(t if t is None else t.clone() for t in fn(model, *args))
+    return method
+
+
 def fsdp_modules(model):
-    """the FSDP2 units of a model sharded by grpo.shard_model (decoder layers, then the root); [] for a plain model"""
+    """the FSDP2 units of a model sharded by shard_model; [] for a plain model"""
     from torch.distributed.fsdp import FSDPModule
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 @contextlib.contextmanager
 def gathered(model):
-    """FSDP2: the full weights on every rank for generation (one all-gather per unit, not one per decode step),
-    resharded on exit; generation sets FSDP's forward hooks aside meanwhile (rollout.sampling), so the plain HF modules
-    run on them. A no-op for a plain model. Every rank must enter it together (the all-gathers are collectives)."""
+    """FSDP2: the full weights on every rank for generation (one all-gather per unit, not one per
+    decode step), resharded on exit. Generation sets FSDP's forward hooks aside meanwhile
+    (rollout.sampling), so the plain HF modules run on them. A no-op for a plain model. Every rank
+    must enter it together: the all-gathers are collectives."""
     units = fsdp_modules(model)
     for m in units:
         m.unshard()
@@ -89,18 +132,21 @@ def all_ranks(x):
 
 
 def stat_op(key):
-    """how a logged stat combines over micro-batches, updates, ranks (a sum: of weighted values, normalized last)"""
+    """how a logged stat combines over micro-batches, updates and ranks: max, min, or a sum (of
+    weighted values, normalized last)"""
     return "max" if key.endswith("_max") else "min" if key.endswith("_min") else "sum"
 
 
 def global_stats(totals, dev):
-    """batching.update_step's stats over all ranks, by stat_op (a rank with no key joins with the neutral value)"""
+    """batching.update_step's stats over all ranks, by stat_op (a rank without a key joins with the
+    neutral value)"""
     keys = sorted({k for ks in all_ranks(sorted(totals)) for k in ks})
     out = {}
     for op, neutral in (("max", -math.inf), ("min", math.inf), ("sum", 0.0)):
         ks = [k for k in keys if stat_op(k) == op]
         if ks:
-            v = global_sum(torch.stack([totals[k].float() if k in totals else torch.tensor(neutral, device=dev)
-                                           for k in ks]), op)
+            v = torch.stack([totals[k].float() if k in totals else
+                             torch.tensor(neutral, device=dev) for k in ks])
+            v = global_sum(v, op)
             out.update(zip(ks, v))
     return out

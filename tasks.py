@@ -1,13 +1,14 @@
 """
-nanoGRPO's tasks: make_prompts(n, seed, difficulty) -> [(question, example)], reward(completion, example) ->
-(reward, correct); plain functions: swap TASKS[name] for your own (the example: README). Imports nothing of the project.
-The answer is the last "The answer is X": correct 1.0, the format with a wrong X 0.1, else 0. Read anywhere, not only at
-the end: the policy then repeats its answer block to max_completion_len, but read only at the reply's end it dropped the
-equation (held-out accuracy stayed at 0.70). SmolLM2-135M-Instruct half-follows the format (75%, correct 19%: greedy,
-1-digit, before ARITHMETIC_FORMAT's example) but never wrote <answer>X</answer>, even if told to: tags give no signal.
+Tasks and rewards. A task is two plain functions: make_prompts(n, seed, difficulty) returns
+[(question, example)], reward(completion, example) returns (reward, correct). Built in: arithmetic,
+countdown, datasets (jsonl:PATH, hf:NAME[:config]); swap TASKS[name] for your own. Also here: reward
+plug-ins (per-completion or TRL's batched form), the held-out split, the training prompts.
 
-A reward must be safe on any string: parse_int reads numbers (bounded: int() of a 4,300+ digit string raises), safe_eval
-expressions (never eval: 60 unary minus signs raised RecursionError, 9**9**9 never returns).
+The built-in verifiers read exactly one "The answer is X": 1.0 if X is right, 0.1 for the format
+with a wrong X, else 0. A reply with several answers, or one cut off at max_completion_len, earns
+nothing: otherwise the policy learns to write answer after answer until the length cap. They run on
+whatever the policy writes, so they never raise and never eval (safe_eval walks the syntax tree).
+Answer tags (<answer>X</answer>) are left out: small instruct models rarely write them.
 """
 import ast
 import importlib
@@ -15,6 +16,7 @@ import importlib.util
 import inspect
 import json
 import math
+import operator
 import os
 import random
 import re
@@ -23,22 +25,36 @@ import traceback
 from fractions import Fraction
 from types import SimpleNamespace
 
+# An answer starts with "answer is". What follows is read by patterns that cannot backtrack for
+# long: a reply of thousands of spaces or digits is read in linear time.
+ANSWER_IS = re.compile(r"answer is", re.I)
 NUMBER_RE = re.compile(r"answer is:?\s*(-?\d[\d,]*)", re.I)
-EXPR_RE = re.compile(r"answer is:?\s*([\d\s+\-*/()]*\d[\d\s+\-*/()]*)", re.I)
+EXPR_RE = re.compile(r"answer is:?([\d\s+\-*/()]*\d[\d\s+\-*/()]*)", re.I)
+TEXT_RE = re.compile(r"answer is:?\s*([^\n]*)", re.I)  # the rest of the line (dataset answers)
 MAX_DIGITS = 20  # longest number a reward reads; no task asks for more
-MAX_EXPR_CHARS = 200  # longest expression safe_eval reads (a countdown answer at difficulty 10 is ~60)
-MAX_DEPTH = 32  # deepest nesting of operators / parentheses / unary signs
-MAX_ABS = 10**15  # largest |numerator| or denominator of any intermediate value
+MAX_EXPR_CHARS = 200  # longest expression safe_eval reads, well above any countdown answer
+MAX_DEPTH = 32  # deepest nesting of operators, parentheses and unary signs
+MAX_ABS = 10**15  # largest |numerator| or denominator of any value: bounds each step's cost
+BIN_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv}
+
+
+def only_answer(completion, pattern):
+    """pattern's group 1 at the reply's one "answer is"; None if it has none, or several"""
+    if len(ANSWER_IS.findall(completion)) != 1:
+        return None
+    found = pattern.search(completion)
+    return found.group(1) if found else None
 
 
 def parse_int(s):
-    """int of a digit string with optional commas and leading minus; None past MAX_DIGITS digits or on junk"""
+    """int of digits, commas and a leading minus; None past MAX_DIGITS digits or on junk"""
     s = s.replace(",", "")
     if not 0 < len(s.lstrip("-")) <= MAX_DIGITS:
         return None
     try:
         return int(s)
-    except ValueError:  # (a non-ASCII digit that int() does not take)
+    except ValueError:
         return None
 
 
@@ -50,20 +66,19 @@ def _value(node, depth):
     elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
         v = _value(node.operand, depth + 1)
         v = -v if isinstance(node.op, ast.USub) else v
-    elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
-        a, b = _value(node.left, depth + 1), _value(node.right, depth + 1)
-        op = type(node.op)
-        v = a + b if op is ast.Add else a - b if op is ast.Sub else a * b if op is ast.Mult else a / b
-    else:
-        raise ValueError(f"{type(node).__name__} is not allowed")  # **, //, %, names, calls, floats, ...
-    if abs(v.numerator) > MAX_ABS or v.denominator > MAX_ABS:  # bounds every later step's cost
+    elif isinstance(node, ast.BinOp) and type(node.op) in BIN_OPS:
+        v = BIN_OPS[type(node.op)](_value(node.left, depth + 1), _value(node.right, depth + 1))
+    else:  # **, //, %, names, calls, floats, ...
+        raise ValueError(f"{type(node).__name__} is not allowed")
+    if abs(v.numerator) > MAX_ABS or v.denominator > MAX_ABS:
         raise ValueError("too large")
     return v
 
 
 def safe_eval(expr):
-    """exact value (a Fraction) of integer literals combined with + - * / and parentheses; None for anything else,
-    a division by zero, or past MAX_EXPR_CHARS / MAX_DEPTH / MAX_ABS. Never raises."""
+    """the exact value (a Fraction) of integers combined with + - * / and parentheses; None for
+    anything else, a division by zero, or past MAX_EXPR_CHARS / MAX_DEPTH / MAX_ABS. Never raises,
+    where eval recurses too deep on a run of minus signs and never returns on 9**9**9."""
     if len(expr) > MAX_EXPR_CHARS:
         return None
     try:
@@ -72,17 +87,14 @@ def safe_eval(expr):
         return None
 
 
-# The format line asks for the equation before the answer and shows a negative one. Asked only for "The answer is
-# NUMBER.", SmolLM2-135M-Instruct wrote no negative number (0 of 256 samples right on the 23% of 1-digit questions with
-# a negative answer: no gradient there, runs sat under 0.77); a shown "-3" is only copied. Runs that broke through wrote
-# the equation first ("1 - 6 = -5. The answer is -5.": the operands right before the digit to produce). With this line
-# held-out greedy hit 0.90 in under 5 minutes in 9 of 10 default seeds, against 2 of 28 runs with an example-only line.
-ARITHMETIC_FORMAT = ("Write the equation with its result, then end your reply with: The answer is NUMBER. "
-                     "For example, for 2 - 5: 2 - 5 = -3. The answer is -3.")
+# The format asks for the equation before the answer: a small model then writes the operands right
+# before the result, and copies the example's minus sign (asked for a number only, it writes none).
+ARITHMETIC_FORMAT = ("Write the equation with its result, then end your reply with: The answer is "
+                     "NUMBER. For example, for 2 - 5: 2 - 5 = -3. The answer is -3.")
 
 
 def arithmetic_prompts(n, seed, difficulty):
-    """a + b or a - b with `difficulty`-digit operands"""
+    """a + b or a - b with `difficulty`-digit operands; the example is the integer answer"""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -94,60 +106,59 @@ def arithmetic_prompts(n, seed, difficulty):
 
 
 def arithmetic_reward(completion, target):
-    found = NUMBER_RE.findall(completion)
-    answer = parse_int(found[-1]) if found else None
-    if answer is None:
-        return 0.0, False  # no answer, or not a number we read (over MAX_DIGITS digits): no format credit either
+    found = only_answer(completion, NUMBER_RE)
+    answer = parse_int(found) if found else None
+    if answer is None:  # no single answer, or not a number we read: no format credit either
+        return 0.0, False
     correct = answer == target
     return (1.0 if correct else 0.1), correct
 
 
 def countdown_prompts(n, seed, difficulty):
-    """difficulty + 1 numbers in 1..20 and a target reachable with + - * (each number used once; built so it is). A draw
-    is kept if its target is in 1..200, rarer with each number (77% at difficulty 1, 7% at 10, 0.005% at 30)."""
+    """difficulty + 1 numbers in 1..20 and a target reachable with + - * using each number once (it
+    is built that way). A draw is kept only if its target is in 1..200, which gets rarer with every
+    number: MAX_DIFFICULTY bounds it. The example is (sorted numbers, target)."""
     rng = random.Random(seed)
     out, tries = [], 0
     while len(out) < n:
         tries += 1
         if tries > 1000 + 100 * n:
-            raise ValueError(f"countdown_prompts: only {len(out)} of {n} prompts in {tries - 1} draws at difficulty="
-                             f"{difficulty} (a target in 1..200 gets rarer with every number): use difficulty <= "
-                             f"{MAX_DIFFICULTY['countdown']}")
+            raise ValueError(f"countdown_prompts: {len(out)} of {n} prompts in {tries - 1} draws: "
+                             f"use difficulty <= {MAX_DIFFICULTY['countdown']}, not {difficulty}")
         nums = [rng.randint(1, 20) for _ in range(difficulty + 1)]
         order = rng.sample(nums, len(nums))
-        expr, target = str(order[0]), order[0]
-        for x in order[1:]:
+        target = order[0]
+        for x in order[1:]:  # ((a op b) op c) ...
             op = rng.choice("+-*")
-            expr = f"({expr} {op} {x})"
             target = target + x if op == "+" else target - x if op == "-" else target * x
         if 0 < target <= 200:
-            q = (f"Using the numbers {nums}, each exactly once, and + - * / ( ), write an expression equal to "
-                 f"{target}. End your reply with: The answer is EXPRESSION.")
+            q = (f"Using the numbers {nums}, each exactly once, and + - * / ( ), write an "
+                 f"expression equal to {target}. End your reply with: The answer is EXPRESSION.")
             out.append((q, (tuple(sorted(nums)), target)))
     return out
 
 
 def countdown_reward(completion, target):
     nums, value = target
-    found = EXPR_RE.findall(completion)
-    expr = found[-1].strip() if found else ""
+    found = only_answer(completion, EXPR_RE)
+    expr = found.strip() if found else ""
     got = safe_eval(expr) if found else None
-    if got is None:
-        return 0.0, False  # no answer, or none we evaluate (syntax, **, past the limits): no format credit either
-    used = tuple(sorted(parse_int(x) for x in re.findall(r"\d+", expr)))  # (short: safe_eval took every literal)
+    if got is None:  # no single answer, or none we evaluate: no format credit either
+        return 0.0, False
+    # safe_eval took every literal, so each one is short
+    used = tuple(sorted(parse_int(x) for x in re.findall(r"\d+", expr)))
     correct = used == nums and got == value
     return (1.0 if correct else 0.1), correct
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# dataset tasks: jsonl:PATH (one JSON object a line) and hf:NAME[:config] (through `datasets`, when installed)
+# -------------------------------------------------------------------------------------------------
+# Dataset tasks: jsonl:PATH (one JSON object a line) and hf:NAME[:config] (through `datasets`).
 QUESTION_KEYS = ("question", "prompt", "problem")  # the first one a row has is its question
 ANSWER_KEYS = ("answer", "solution", "target")
-ANSWER_RE = re.compile(r"answer is:?\s*(.+?)\s*\.?\s*$", re.I | re.M)  # the text after the last "answer is"
 
 
 def dataset_answer(example):
-    """the reference answer of a row: GSM8K's "...reasoning...\n#### 1,234" -> "1234"; else the field as text"""
+    """a row's reference answer: GSM8K's "...reasoning...\n#### 1,234" -> "1234", else the field"""
     a = str(next(example[k] for k in ANSWER_KEYS if k in example))
     if "####" in a:
         a = a.rsplit("####", 1)[1]
@@ -155,22 +166,25 @@ def dataset_answer(example):
 
 
 def same_answer(got, want):
-    """numbers compare by value (exactly, as fractions: "3.50" == "3.5", "$1,234" == "1234"), else case-folded text"""
+    """numbers compare by exact value ("3.50" == "3.5", "$1,234" == "1234"), text case-folded"""
     def num(x):
         x = x.replace(",", "").replace("$", "").strip()
         if not re.fullmatch(r"-?\d*\.?\d+", x) or len(x) > MAX_DIGITS + 2:
             return None
         return Fraction(x)
     a, b = num(got), num(want)
-    return a == b if a is not None and b is not None else got.strip().casefold() == want.strip().casefold()
+    if a is not None and b is not None:
+        return a == b
+    return got.strip().casefold() == want.strip().casefold()
 
 
 def dataset_reward(completion, example):
-    """the same rule as arithmetic: the last "The answer is X"; correct 1.0, the format with a wrong X 0.1, else 0"""
-    found = ANSWER_RE.findall(completion[-2000:])
-    if not found:
+    """arithmetic's rule on the line after the one "The answer is", less a final period"""
+    found = only_answer(completion, TEXT_RE)
+    got = (found or "").strip().removesuffix(".").rstrip()
+    if not got:
         return 0.0, False
-    correct = same_answer(found[-1], dataset_answer(example))
+    correct = same_answer(got, dataset_answer(example))
     return (1.0 if correct else 0.1), correct
 
 
@@ -180,90 +194,89 @@ def dataset_question(example):
 
 
 def read_rows(spec, split="train"):
-    """the rows (dicts) of jsonl:PATH or hf:NAME[:config]; ValueError naming the line or field that is wrong"""
+    """the rows (dicts) of jsonl:PATH or hf:NAME[:config]; a ValueError names a bad line or field"""
     if spec.startswith("jsonl:"):
         path, rows = spec[6:], []
         with open(os.path.expanduser(path)) as f:
-            for i, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path} line {i} is not JSON ({e})") from None
-                    if not isinstance(rows[-1], dict):
-                        raise ValueError(f"{path} line {i}: want a JSON object, got {type(rows[-1]).__name__}")
-    else:  # hf:NAME[:config]
-        import datasets  # optional: only an hf: task needs it (check_task said so if it is missing)
+            lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+        for i, line in lines:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {i} is not JSON ({e})") from None
+            if not isinstance(rows[-1], dict):
+                raise ValueError(f"{path} line {i}: want an object, got {type(rows[-1]).__name__}")
+    else:  # hf:NAME[:config]; only this needs `datasets` (check_task said so if it is missing)
+        import datasets
         name, _, config = spec[3:].partition(":")
         rows = list(datasets.load_dataset(name, config or None, split=split))
     for i, r in enumerate(rows, 1):
         if not any(k in r for k in QUESTION_KEYS) or not any(k in r for k in ANSWER_KEYS):
-            raise ValueError(f"{spec} row {i} has no question ({'/'.join(QUESTION_KEYS)}) or no answer "
-                             f"({'/'.join(ANSWER_KEYS)}) field: it has {sorted(r)[:10]}")
+            raise ValueError(f"{spec} row {i} has no question ({'/'.join(QUESTION_KEYS)}) or no "
+                             f"answer ({'/'.join(ANSWER_KEYS)}) field: it has {sorted(r)[:10]}")
     if not rows:
         raise ValueError(f"{spec}: no rows")
     return rows
 
 
 def dataset_task(spec, eval_size, eval_file=""):
-    """(make_prompts, eval_set): held out are eval_file's first eval_size rows (hf: "test" split), else eval_size rows
-    drawn with EVAL_SEED (the same for any --seed: runs compare); training samples the rest with replacement"""
+    """(make_prompts, eval_set): held out are eval_file's first eval_size rows (hf: "test" split),
+    else eval_size rows drawn with EVAL_SEED (any --seed); training samples the rest, replaced"""
     rows = read_rows(spec)
     if eval_file:
-        held = read_rows(eval_file if eval_file.startswith(("jsonl:", "hf:")) else "jsonl:" + eval_file,
-                         split="test")[:eval_size]
-        train = rows
+        if not eval_file.startswith(("jsonl:", "hf:")):
+            eval_file = "jsonl:" + eval_file
+        held, train = read_rows(eval_file, split="test")[:eval_size], rows
     else:
         if len(rows) <= eval_size:
-            raise ValueError(f"{spec} has {len(rows)} rows: --eval_size={eval_size} would hold out all of them "
-                             f"(lower --eval_size, or give --eval_file)")
+            raise ValueError(f"{spec} has {len(rows)} rows: --eval_size={eval_size} would hold out "
+                             f"all of them (lower --eval_size, or give --eval_file)")
         order = list(range(len(rows)))
         random.Random(EVAL_SEED).shuffle(order)
         held, train = [rows[i] for i in order[:eval_size]], [rows[i] for i in order[eval_size:]]
 
-    def make_prompts(n, seed, difficulty):  # (difficulty: a dataset has none)
+    def make_prompts(n, seed, difficulty):  # a dataset has no difficulty
         rng = random.Random(seed)
         return [(dataset_question(r), r) for r in (rng.choice(train) for _ in range(n))]
     return make_prompts, [(dataset_question(r), r) for r in held]
 
 
-TASKS = {"arithmetic": (arithmetic_prompts, arithmetic_reward), "countdown": (countdown_prompts, countdown_reward)}
-# the largest difficulty each generator samples in reasonable time (arithmetic: answers within MAX_DIGITS digits)
+TASKS = {"arithmetic": (arithmetic_prompts, arithmetic_reward),
+         "countdown": (countdown_prompts, countdown_reward)}
+# the largest difficulty each generator samples quickly (arithmetic: answers within MAX_DIGITS)
 MAX_DIFFICULTY = {"arithmetic": 18, "countdown": 10}
+# make_reward scores a truncated reply (0.0, False) with these; your own rewards see every reply
+VERIFIERS = (arithmetic_reward, countdown_reward, dataset_reward)
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# what the trainer does with any task: the held-out split, the training prompt stream, the reward guard
-EVAL_SEED = 10**9 + 7  # held-out set: a seed no training step uses (see step_seed)
+# -------------------------------------------------------------------------------------------------
+# What the trainer does with any task: the held-out split, the training prompts, the rewards.
+EVAL_SEED = 10**9 + 7  # the held-out set's seed, one no training step uses (see step_seed)
 
 
 def step_seed(seed, step, draw=0):
-    """the prompt seed of step `step`'s draw `draw` (dynamic sampling draws again): unique per (step, draw), never
-    EVAL_SEED, a function of the config's seed alone, so a resumed run draws what an unbroken one would"""
+    """the prompt seed of a step's draw (dynamic sampling draws again): unique per (step, draw),
+    never EVAL_SEED, a function of the seed alone: a resumed run draws what an unbroken one would"""
     return seed * 100_003 + step + draw * 7_919_000_003
 
 
 def check_task(task, eval_file=""):
-    """errors (a list of strings) for a --task / --eval_file that cannot load, said before anything else loads"""
-    errors = []
-    for flag, spec in (("task", task), ("eval_file", eval_file)):
-        if flag == "eval_file" and (not spec or spec.startswith("hf:")):
-            continue
-        if flag == "eval_file" and not spec.startswith("jsonl:"):
-            spec = "jsonl:" + spec
-        if spec in TASKS:
-            continue
-        if spec.startswith("jsonl:"):
-            if not os.path.isfile(os.path.expanduser(spec[6:])):
-                errors.append(f"--{flag}={spec!r}: no such file")
-        elif spec.startswith("hf:"):
-            if importlib.util.find_spec("datasets") is None:
-                errors.append(f"--{flag}={spec!r} needs the `datasets` package (pip install datasets); offline, "
-                              f"export the rows to a file and use --task=jsonl:PATH")
-        else:
-            errors.append(f"--{flag}={spec!r}: use one of {', '.join(TASKS)}, jsonl:PATH or hf:NAME[:config]")
+    """the errors (strings) of a --task or --eval_file that cannot load, before anything loads"""
+    errors, specs = [], [("task", task)]
+    if eval_file and not eval_file.startswith("hf:"):  # a bare path is a jsonl file
+        specs.append(("eval_file", "jsonl:" + eval_file.removeprefix("jsonl:")))
+    for flag, spec in specs:
+        if spec.startswith("jsonl:") and not os.path.isfile(os.path.expanduser(spec[6:])):
+            errors.append(f"--{flag}={spec!r}: no such file")
+        elif spec.startswith("hf:") and importlib.util.find_spec("datasets") is None:
+            errors.append(f"--{flag}={spec!r} needs `pip install datasets`; offline, export the "
+                          f"rows to a file and use --task=jsonl:PATH")
+        elif spec not in TASKS and not spec.startswith(("jsonl:", "hf:")):
+            errors.append(f"--{flag}={spec!r}: use one of {', '.join(TASKS)}, jsonl:PATH or "
+                          f"hf:NAME[:config]")
     if eval_file and task in TASKS:
-        errors.append(f"--eval_file={eval_file!r}: only a dataset task (jsonl: / hf:) takes a held-out file")
+        errors.append(f"--eval_file={eval_file!r}: only a dataset task (jsonl: / hf:) takes a "
+                      f"held-out file")
     return errors
 
 
@@ -277,7 +290,7 @@ def load_task(task, difficulty, eval_size, eval_file=""):
 
 
 def held_out_set(make_prompts, n, difficulty):
-    """n distinct questions; training never sees them (1-digit arithmetic has only 200 questions, so this matters)"""
+    """n distinct questions, which training never sees (a small difficulty has few questions)"""
     out, seen = [], set()
     for q, t in make_prompts(50 * n, EVAL_SEED, difficulty):
         if q not in seen:
@@ -285,37 +298,37 @@ def held_out_set(make_prompts, n, difficulty):
             out.append((q, t))
         if len(out) == n:
             return out
-    raise ValueError(f"--eval_size={n}: only {len(out)} distinct questions at difficulty={difficulty}: lower "
-                     f"--eval_size or raise --difficulty")
+    raise ValueError(f"--eval_size={n}: only {len(out)} distinct questions at "
+                     f"difficulty={difficulty}: lower --eval_size or raise --difficulty")
 
 
 def check_training_pool(make_prompts, seed, difficulty, exclude):
-    """refuse, before anything loads, a held-out set leaving training too few questions (train_prompts never ends)"""
+    """refuse, before anything loads, a held-out set that leaves training too few questions"""
     free = sum(q not in exclude for q, _ in make_prompts(1000, seed, difficulty))
     if free < 20:
-        raise ValueError(f"--eval_size={len(exclude)} holds out {1000 - free} of 1000 questions drawn at difficulty="
-                         f"{difficulty}: too few left to train on; lower --eval_size or raise --difficulty")
+        raise ValueError(f"--eval_size={len(exclude)} leaves only {free} of 1000 questions drawn "
+                         f"at difficulty={difficulty}: lower --eval_size or raise --difficulty")
 
 
 def train_prompts(make_prompts, n, seed, difficulty, exclude):
-    """the n questions of one step: the first n outside the held-out set in make_prompts(4n, seed), then in more rounds
-    (one can run dry); a function of the seed alone (step_seed); check_training_pool bounds the rounds."""
+    """one step's n questions: the first n outside the held-out set in make_prompts(4n, seed), then
+    in more rounds if that runs dry (check_training_pool bounds them); a function of the seed"""
     out = []
     for r in range(1000):
-        out += [p for p in make_prompts(4 * n, seed if r == 0 else seed * 1_000_003 + r, difficulty)
-                if p[0] not in exclude]
+        drawn = make_prompts(4 * n, seed if r == 0 else seed * 1_000_003 + r, difficulty)
+        out += [p for p in drawn if p[0] not in exclude]
         if len(out) >= n:
             return out[:n]
-    raise ValueError(f"the held-out set leaves too few training questions at difficulty={difficulty}: lower "
-                     f"--eval_size")
+    raise ValueError(f"the held-out set leaves too few training questions at "
+                     f"difficulty={difficulty}: lower --eval_size")
 
 
-FILE_MODULES = {}  # real path -> module: a file.py reward runs its top-level code once (the config check loads it too)
+FILE_MODULES = {}  # real path -> module: a file's code runs once, though the config check loads it
 
 
 def load_reward(spec):
-    """a reward function from "module:function" (imported like any module: the current directory is on the path)
-    or "path/to/file.py:function", in either form (guard_reward)"""
+    """a reward function from "module:function" (imported like any module, with the current
+    directory on the path) or "path/to/file.py:function", in either form (see guard_reward)"""
     mod, sep, fn = spec.rpartition(":")
     if not sep or not mod or not fn:
         raise ValueError(f"--reward={spec!r}: use module:function or path/file.py:function")
@@ -324,7 +337,7 @@ def load_reward(spec):
         s = importlib.util.spec_from_file_location(os.path.basename(mod)[:-3], path)
         if s is None or not os.path.isfile(path):
             raise ValueError(f"--reward={spec!r}: no file {mod}")
-        if path not in FILE_MODULES:  # (kept only once its code ran through: a file that raised raises again)
+        if path not in FILE_MODULES:  # kept once its code ran through: one that raised raises again
             module = importlib.util.module_from_spec(s)
             s.loader.exec_module(module)
             FILE_MODULES[path] = module
@@ -343,7 +356,7 @@ def load_reward(spec):
 
 
 def reward_names(spec):
-    """the names the log uses, one per reward: "task" or the function's name ("reward/<name>")"""
+    """the log's name of each reward: "task" or the function's name (logged as reward/<name>)"""
     return [s.strip().rpartition(":")[2] for s in spec.split(",")] if spec else ["task"]
 
 
@@ -358,25 +371,39 @@ def parse_weights(spec, n):
 
 
 def make_reward(task_reward, spec="", weights=""):
-    """(reward_fn(questions, completions, examples, completion_ids) -> [(total, correct, [each reward])], counts) of
-    --reward / --reward_weights: total = sum_i w_i r_i over the rewards that scored the row (TRL's nansum)."""
+    """(reward_fn, counts) of --reward / --reward_weights: reward_fn(questions, completions,
+    examples, completion_ids, truncated) -> [(total, correct, [each reward])], total = sum_i w_i r_i
+    over the rewards that scored the row (TRL's nansum), correct the first one a reward reports.
+    A built-in verifier scores a truncated row (no EOS by max_completion_len) (0.0, False)."""
     specs = [s.strip() for s in spec.split(",")] if spec else ["task"]
     w = parse_weights(weights, len(specs))
     counts = {"errors": 0, "metrics": {}, "state": SimpleNamespace(global_step=0, max_steps=0)}
     fns = [guard_reward(task_reward if s == "task" else load_reward(s), counts) for s in specs]
+    refuses_truncated = [s == "task" and task_reward in VERIFIERS for s in specs]
 
-    def reward_fn(questions, completions, examples, completion_ids):
-        rows = zip(*(fn(questions, completions, examples, completion_ids) for fn in fns))  # a row: [(r, ok)] a reward
-        return [(sum(wi * r for wi, (r, _) in zip(w, parts) if not math.isnan(r)),
-                 bool(next((ok for _, ok in parts if ok is not None), False)), [r for r, _ in parts]) for parts in rows]
+    def reward_fn(questions, completions, examples, completion_ids, truncated):
+        columns = []  # a list of (r, correct) per reward, one entry a row
+        for fn, refuses in zip(fns, refuses_truncated):
+            scored = fn(questions, completions, examples, completion_ids)
+            if refuses:
+                scored = [(0.0, False) if cut else s
+                          for s, cut in zip(scored, truncated, strict=True)]
+            columns.append(scored)
+        out = []
+        for parts in zip(*columns):  # one row: a (r, correct) per reward
+            total = sum(wi * r for wi, (r, _) in zip(w, parts) if not math.isnan(r))
+            correct = next((ok for _, ok in parts if ok is not None), False)
+            out.append((total, bool(correct), [r for r, _ in parts]))
+        return out
     return reward_fn, counts
 
 
 def overlong_penalty(length, max_completion_len, soft_punish_cache, factor=1.0):
-    """DAPO's soft overlong punishment (Eq. 13; TRL get_soft_overlong_punishment), added to the reward:
-        0                                           if length <= L_max - L_cache
-        factor * ((L_max - L_cache) - length) / L_cache   in the buffer: linear, -factor at L_max
-    soft_punish_cache = L_cache = 0 turns it off. length in tokens (the EOS included)."""
+    """DAPO's soft overlong punishment (Eq. 13; TRL's get_soft_overlong_punishment), added to the
+    reward, with L_max = max_completion_len and L_cache = soft_punish_cache:
+        0                                                  if length <= L_max - L_cache
+        factor * ((L_max - L_cache) - length) / L_cache    in the buffer: linear, -factor at L_max
+    L_cache = 0 turns it off. length is in tokens, the EOS included."""
     if soft_punish_cache <= 0:
         return 0.0
     start = max_completion_len - soft_punish_cache
@@ -384,48 +411,59 @@ def overlong_penalty(length, max_completion_len, soft_punish_cache, factor=1.0):
 
 
 def guard_reward(reward_fn, counts):
-    """reward_fn in either form (README) as safe(questions, completions, examples, completion_ids) -> [(r, correct)],
-    a batched form's None a NaN. A failed call (or a non-finite reward) scores (0.0, False) for each of its rows,
-    counted in counts["errors"], the first traceback printed: one odd completion costs that completion, not the run."""
-    sig = inspect.signature(reward_fn).parameters if callable(reward_fn) else {}  # (the config check's None)
+    """reward_fn in either form (README) as safe(questions, completions, examples, completion_ids)
+    -> [(r, correct)]; the per-completion form gets completion_ids if it asks; batched None is NaN.
+    A call that raises or returns a non-finite reward scores (0.0, False) on each of its rows,
+    counted in counts["errors"], the first traceback printed: a bad completion costs only itself."""
+    sig = inspect.signature(reward_fn).parameters if reward_fn else {}  # the config check's None
     params = ["**" if p.kind is p.VAR_KEYWORD else name for name, p in sig.items()]
     batched = params[:1] in (["prompts"], ["completions"], ["completion_ids"], ["**"])
-    ids_kw = "completion_ids" in params or "**" in params  # the per-completion form asks for them
+    wants_ids = "completion_ids" in params or "**" in params
 
     def failed(n):
         counts["errors"] += n
         if counts["errors"] == n:
-            print(f"the reward function failed on a completion (it scores 0; later failures are only counted, as "
-                  f"reward_errors in the log):\n{traceback.format_exc()}", file=sys.stderr)
+            print(f"a reward failed on a completion, which scores 0 (later failures are only "
+                  f"counted, as reward_errors):\n{traceback.format_exc()}", file=sys.stderr)
         return [(0.0, False)] * n
 
     def one(completion, example, ids):
         try:
-            out = reward_fn(completion, example, **({"completion_ids": ids} if ids_kw else {}))
+            out = reward_fn(completion, example, **({"completion_ids": ids} if wants_ids else {}))
             r, ok = out if isinstance(out, tuple) else (out, None)
-            if not math.isfinite(r := float(r)):
+            if not math.isfinite(float(r)):
                 raise ValueError(f"reward {r} is not finite")
-            return r, None if ok is None else bool(ok)
-        except Exception:  # noqa: BLE001 - any failure of the reward is the completion's, not the run's
+            return float(r), None if ok is None else bool(ok)
+        except Exception:  # noqa: BLE001 - the reward's failure is the completion's, not the run's
             return failed(1)[0]
+
+    def log_metric(name, value):
+        counts["metrics"].setdefault(name, []).append(float(value))
+
+    def call_batched(questions, completions, examples, completion_ids):
+        # TRL passes each dataset column as a list; a built-in task's example is column `answer`
+        rows = [e if isinstance(e, dict) else {"answer": e} for e in examples]
+        columns = {k: [r.get(k) for r in rows] for k in rows[0]
+                   if k not in ("prompt", "completion", "completion_ids")}
+        out = reward_fn(prompts=[[{"role": "user", "content": q}] for q in questions],
+                        completions=[[{"role": "assistant", "content": c}] for c in completions],
+                        completion_ids=completion_ids, trainer_state=counts["state"],
+                        log_extra=lambda column, values: None, log_metric=log_metric, **columns)
+        out = [math.nan if r is None else float(r) for r in out]
+        if any(math.isinf(r) for r in out):
+            raise ValueError(f"a reward is not finite: {out}")
+        return out
 
     def safe(questions, completions, examples, completion_ids):
         if not batched:
             return [one(*row) for row in zip(completions, examples, completion_ids)]
-        rows = [e if isinstance(e, dict) else {"answer": e} for e in examples]  # a built-in task's column: answer
         try:
-            out = [math.nan if r is None else float(r) for r in reward_fn(
-                prompts=[[{"role": "user", "content": q}] for q in questions], completion_ids=completion_ids,
-                completions=[[{"role": "assistant", "content": c}] for c in completions],
-                **{k: [r.get(k) for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")},
-                trainer_state=counts["state"], log_extra=lambda column, values: None,
-                log_metric=lambda name, value: counts["metrics"].setdefault(name, []).append(float(value)))]
-            if any(math.isinf(r) for r in out):
-                raise ValueError(f"a reward is not finite: {out}")
+            out = call_batched(questions, completions, examples, completion_ids)
         except Exception:  # noqa: BLE001 - as above, for every row of the call
             return failed(len(completions))
-        if len(out) != len(completions):  # (a bug of the function: not a completion's failure)
-            raise ValueError(f"reward {getattr(reward_fn, '__name__', reward_fn)!r} returned {len(out)} rewards for "
-                             f"{len(completions)} completions: want one per completion")
+        if len(out) != len(completions):  # a bug of the function, not a completion's failure
+            name = getattr(reward_fn, "__name__", reward_fn)
+            raise ValueError(f"reward {name!r} returned {len(out)} rewards for {len(completions)} "
+                             f"completions: want one per completion")
         return [(r, None) for r in out]
     return safe

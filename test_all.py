@@ -11,6 +11,7 @@ tl.dot is wrong on bfloat16 (triton #11584), so CPU kernel parity runs fp32/fp16
 the GPU only; the bf16 training step (torch's chunked log-probs) runs on the CPU too.
 """
 import contextlib
+import io
 import math
 import os
 import re
@@ -1227,9 +1228,11 @@ def test_batching_sampling_correction_modes_hand_computed():
 
 @check
 def test_batching_grad_same_for_any_micro_batch_split():
-    """one generation batch's gradient is the same whether it runs as 1 micro-batch or one per group, for every
-    loss_type and variant (GSPO sequence level, cispo, top_entropy_quantile, steps_per_generation), with old
-    log-probs (num_iterations=2), a k3 KL term (beta>0) and masked truncated completions"""
+    """one generation batch's gradient is the same whether it runs as 1 micro-batch or, at budget 1, one pass per
+    completion (each group in parts of one row, through batching.backward: the trainer's path, where the parts'
+    entropies differ in the last bits from the whole batch's), for every loss_type and variant (GSPO sequence level,
+    cispo, top_entropy_quantile, steps_per_generation), with old log-probs (num_iterations=2), a k3 KL term
+    (beta>0) and masked truncated completions; the passes counted in backward's micro_batches"""
     import copy
     import batching
     model, buf0, rewards = _tiny_buffer()
@@ -1240,7 +1243,7 @@ def test_batching_grad_same_for_any_micro_batch_split():
     assert {v["loss_type"] for v in _LOSS_VARIANTS} == set(config.CHOICES["loss_type"])
     for variant in _LOSS_VARIANTS:
         grads = []
-        for budget in (10**6, 31):  # 31 = P + G*C: one whole group a micro-batch (under it: parts, the next check)
+        for budget in (10**6, 1):
             cfg = _trainer_cfg(num_iterations=2, beta=0.1, micro_batch_tokens=budget,
                                mask_truncated_completions=variant["loss_type"] == "grpo", max_completion_len=6,
                                **variant)
@@ -1249,14 +1252,16 @@ def test_batching_grad_same_for_any_micro_batch_split():
             steps, _ = batching.prepare_buffer(model, ref, buf, rewards, cfg)
             mbs = [mb for step in steps for mb in step]
             assert len(steps) == cfg.steps_per_generation, (variant, steps)
-            assert len(mbs) == (1 if budget > 31 and len(steps) == 1 else 3), (variant, steps)
+            assert len(mbs) == (1 if budget > 1 and len(steps) == 1 else 3), (variant, steps)
+            parts = [p for b0, b1 in mbs for p in batching.micro_batch_parts(buf, b0, b1, cfg)]
+            assert len(parts) == (len(mbs) if budget > 1 else 12), (variant, len(parts))  # (3 groups of 4)
             torch.manual_seed(7)  # the same perturbation for both splits
             with torch.no_grad():  # move away from the sampling policy so the ratio is not 1 and clipping matters
                 buf["old_logp"] += 0.3 * torch.randn_like(buf["old_logp"]) * buf["completion_mask"]
             model.zero_grad()
-            for b0, b1 in mbs:
-                loss, _ = batching.micro_batch_loss(model, batching.slice_groups(buf, b0, b1), cfg)
-                loss.backward()
+            passes = sum(batching.backward(model, buf, step, cfg)[0]["micro_batches"] for step in steps)
+            with_loss = [p for _, p in parts if (p["loss_weights"] > 0).any()]  # (masked truncated rows: none)
+            assert passes == len(with_loss), (variant, passes, len(with_loss))
             grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         assert grads[0].norm() > 0, variant
         assert_close(grads[1], grads[0], 1e-5, f"grad {variant}")
@@ -1438,7 +1443,7 @@ def _dist_worker(rank, world, port, tmp, model_dir):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
     import batching
-    import grpo
+    import dist as nanodist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -1448,7 +1453,8 @@ def _dist_worker(rank, world, port, tmp, model_dir):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             assert model.config.tie_word_embeddings
             if engine == "fsdp":
-                grpo.shard_model(model, torch.float32, torch.device("cpu"))  # what torchrun grpo.py runs
+                nanodist.shard_model(model, torch.float32, torch.device("cpu"),  # as grpo.load_models
+                                     {"logprobs_forward": batching.logprobs_forward})
             buf, rewards = _dist_buffer()
             per = 4 // world  # whole groups: the advantages stay local
             mine = list(range(rank * per, (rank + 1) * per))
@@ -1573,6 +1579,33 @@ def test_batching_entropy_threshold_any_size():
     big[-1] = 2.0  # the maximum, so q=1 must find it
     assert batching.quantile_any_size(big, 1.0).item() == 2.0
     assert abs(batching.quantile_any_size(big, 0.8).item() - 0.8) < 1e-3
+
+
+@check
+def test_batching_entropy_ties_one_value_per_context():
+    """tokens whose contexts are identical (the same prompt, the same completion tokens before them) get one entropy,
+    the first such row's: a group's first tokens, every position of a prefix that completions share, and the groups
+    of a repeated prompt (whatever its padding ids); a token after the rows part keeps its own. So a threshold that
+    lands on such a tie keeps all of it or none, whatever float noise each pass left (unified: 8 tokens, not 6)"""
+    import batching
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 9], [5, 6, 7, 1], [4, 6, 7, 8]])  # 2 groups of 2
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]])
+    ent = torch.rand(4, 4, generator=torch.Generator().manual_seed(0)) * mask
+    for second_prompt, first in (([2, 3, 4], [[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0], [0, 3, 3, 3]]),
+                                 ([2, 3, 5], [[0, 0, 0, 0], [0, 0, 0, 1], [2, 2, 2, 2], [2, 3, 3, 3]])):
+        buf = dict(group_size=2, completion_ids=ids, completion_mask=mask, prompt_mask=torch.tensor([[0, 1, 1]] * 2),
+                   prompt_ids=torch.tensor([[0, 3, 4], second_prompt]))  # (padding ids 0 and 2)
+        got = batching.one_entropy_per_context(ent, buf)
+        assert torch.equal(got, ent.gather(0, torch.tensor(first)) * mask), (second_prompt, got)
+    # a group of 4: first tokens' entropies ~1, a few ulps apart; then distinct first tokens, so distinct contexts
+    buf = dict(group_size=4, completion_ids=torch.tensor([[5, 6, 7], [6, 6, 8], [7, 6, 9], [8, 6, 3]]),
+               completion_mask=torch.ones(4, 3, dtype=torch.long), prompt_ids=torch.tensor([[3, 4]]),
+               prompt_mask=torch.ones(1, 2, dtype=torch.long))
+    noise = torch.tensor([0.0, 1e-6, -1e-6, 2e-6])
+    ent = torch.stack([1 + noise, torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([2.0, 2.1, 2.2, 2.3])], 1)
+    kept = [int(batching.entropy_mask(e, buf["completion_mask"], 0.5).sum())
+            for e in (ent, batching.one_entropy_per_context(ent, buf))]
+    assert kept == [6, 8], kept
 
 
 @check
@@ -1859,8 +1892,9 @@ def test_grpo_cli_two_steps_log_checkpoint_and_resume():
         got = r["eval_samples"]
         assert [(x["question"], x["answer"]) for x in got] == [tuple(e) for e in eval_set[:4]], got
         for x in got:
-            reward, correct, _ = grpo.make_reward(reward_fn, "", "")[0](["q"], [x["completion"]], [x["answer"]],
-                                                                        [None])[0]  # (tasks')
+            # (tasks'; truncated or not, 8 characters cannot hold an answer: either scores the same)
+            score = grpo.make_reward(reward_fn, "", "")[0]
+            reward, correct, _ = score(["q"], [x["completion"]], [x["answer"]], [None], [False])[0]
             assert (x["reward"], x["correct"]) == (round(reward, 4), correct), x
     res = _quiet_train(_train_args(out, 3, "--eval_size=100", "--resume=True"))
     assert [r["step"] for r in res.records] == [0, 1, 2, 3], [r["step"] for r in res.records]
@@ -2050,7 +2084,7 @@ def _peft_logp(pm, prompt_ids, prompt_mask, completion_ids, completion_mask, G):
 
 @check
 def test_grpo_state_that_cannot_fit_is_refused_naming_lora():
-    """the GPU-memory check grpo.run makes before the weights load (config.memory_errors, with
+    """the GPU-memory check grpo.run makes before the weights load (config.memory_plan, with
     checkpoint.parameter_count from the config alone): a Qwen2.5-7B-sized full fine-tuning (7.6B parameters, bf16:
     16 bytes of float32 state + 2 of weights a parameter = 128 GiB) on an 80 GiB H100 is refused, naming --lora_r
     and torchrun; LoRA (the base alone, 14 GiB), FSDP2 over 4 ranks and the same run on a 139 GiB H200 pass; a
@@ -2060,13 +2094,16 @@ def test_grpo_state_that_cannot_fit_is_refused_naming_lora():
     from transformers import AutoModelForCausalLM
     gib, n = 2**30, 7_615_616_512
     cfg = lambda *a: config.parse_config(["--model=/models/q7", *a])  # noqa: E731
-    err = config.memory_errors(cfg(), n, 1, 80 * gib)
+
+    def memory_errors(*args):  # (the plan it returns: the check below)
+        return config.memory_plan(*args)[0]
+    err = memory_errors(cfg(), n, 1, 80 * gib)
     assert len(err) == 1 and all(w in err[0] for w in ("128 GiB", "80 GiB", "--lora_r=16", "torchrun")), err
-    assert config.memory_errors(cfg("--lora_r=16"), n, 1, 80 * gib) == []
-    assert config.memory_errors(cfg(), n, 4, 80 * gib) == []  # 16 / 4 + 2 bytes a parameter: 43 GiB
-    assert config.memory_errors(cfg(), n, 1, 139 * gib) == []
-    assert "reference" in " ".join(config.memory_errors(cfg("--beta=0.04"), n, 1, 139 * gib))  # + 14 GiB
-    assert "smaller model" in " ".join(config.memory_errors(cfg("--lora_r=16"), n, 1, 10 * gib))
+    assert memory_errors(cfg("--lora_r=16"), n, 1, 80 * gib) == []
+    assert memory_errors(cfg(), n, 4, 80 * gib) == []  # 16 / 4 + 2 bytes a parameter: 43 GiB
+    assert memory_errors(cfg(), n, 1, 139 * gib) == []
+    assert "reference" in " ".join(memory_errors(cfg("--beta=0.04"), n, 1, 139 * gib))  # + 14 GiB
+    assert "smaller model" in " ".join(memory_errors(cfg("--lora_r=16"), n, 1, 10 * gib))
     path = _tiny_model_dir()
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.tie_word_embeddings
@@ -2079,25 +2116,25 @@ def test_grpo_state_that_cannot_fit_is_refused_naming_lora():
     kv15 = kv_bytes_per_token(SimpleNamespace(hidden_size=1536, num_attention_heads=12, num_hidden_layers=28,
                                               num_key_value_heads=2))
     assert (kv7, kv15) == (57344, 28672), (kv7, kv15)
-    assert config.memory_errors(cfg("--lora_r=16", "--max_completion_len=30000"), n, 1, 80 * gib, kv7) == []
-    err = config.memory_errors(cfg("--lora_r=16", "--max_completion_len=32768"), n, 1, 15.5 * gib, kv7)
+    assert memory_errors(cfg("--lora_r=16", "--max_completion_len=30000"), n, 1, 80 * gib, kv7) == []
+    err = memory_errors(cfg("--lora_r=16", "--max_completion_len=32768"), n, 1, 15.5 * gib, kv7)
     assert len(err) == 1 and all(w in err[0] for w in ("--max_completion_len=32768", "1.8 GiB", "57344")), err
-    err = config.memory_errors(cfg("--max_completion_len=30000", "--rollout_kv_gib=0.5"), 1.5e9, 1, 80 * gib, kv15)
+    err = memory_errors(cfg("--max_completion_len=30000", "--rollout_kv_gib=0.5"), 1.5e9, 1, 80 * gib, kv15)
     assert len(err) == 1 and all(w in err[0] for w in ("--rollout_kv_gib=0.5", "0.81 GiB")), err  # (30512 tokens)
-    assert config.memory_errors(cfg("--max_completion_len=30000", "--rollout_kv_gib=1"), 1.5e9, 1, 80 * gib, kv15) == []
+    assert memory_errors(cfg("--max_completion_len=30000", "--rollout_kv_gib=1"), 1.5e9, 1, 80 * gib, kv15) == []
 
 
 @check
 def test_grpo_auto_memory_sizes_checkpointing_and_micro_batch():
-    """--gradient_checkpointing=auto and --micro_batch_tokens=0 (config.memory_errors -> auto_memory, from the GPU's
-    free bytes, before the weights load): on an 80 GiB GPU the default run keeps what it ran (no checkpointing, 32768
-    tokens), the 1.5B 16 x 8 x 1024 and 7B LoRA cells the setting bench_step measured fastest (checkpointing, 32768:
-    1.5B 5.78 s against 6.53 without it at 16384, H100, 2026-11-26); a 24 GiB GPU gets a smaller budget that still
-    holds one completion; a length whose one completion cannot fit is refused with the numbers and what to set; values
-    a user gave are kept; on the CPU auto is 32768 tokens, no checkpointing. --fsdp=auto under torchrun: replicas
-    where they fit with what FSDP2 would run (the 1.5B on 80 and 139 GiB), FSDP2 where replicas would need
-    checkpointing it does not (120 GiB) or do not fit (7B), or where nothing is known; resume keeps the checkpoint's;
-    the CPU's auto is FSDP2, LoRA's replicas. activation_bytes is above the GPU peaks
+    """--gradient_checkpointing=auto and --micro_batch_tokens=0 (config.memory_plan, from the GPU's free bytes,
+    before the weights load; it leaves cfg as it was and returns the plan): on an 80 GiB GPU the default run keeps
+    what it ran (no checkpointing, 32768 tokens), the 1.5B 16 x 8 x 1024 and 7B LoRA cells the setting bench_step
+    measured fastest (checkpointing, 32768); a 24 GiB GPU gets a smaller budget that still holds one completion; a
+    length whose one completion cannot fit is refused with the numbers and what to set; values a user gave are kept;
+    on the CPU auto is 32768 tokens, no checkpointing. --fsdp=auto under torchrun: replicas where they fit with what
+    FSDP2 would run (the 1.5B on 80 and 139 GiB), FSDP2 where replicas would need checkpointing it does not (120 GiB)
+    or do not fit (7B), or where nothing is known; resume keeps the checkpoint's; the CPU's auto is FSDP2 under
+    torchrun, LoRA's replicas, and one process has no FSDP at all. activation_bytes is above the GPU peaks
     (1.5B: 2.1 MiB a token without checkpointing; 7B LoRA: 0.70 with) and above what the tiny model's forward saves
     (saved_tensors_hooks), by less than 1.6x."""
     from transformers import AutoModelForCausalLM
@@ -2107,9 +2144,15 @@ def test_grpo_auto_memory_sizes_checkpointing_and_micro_batch():
     smol, q15, q7 = qwen(576, 1536, 30, 9, 3), qwen(1536, 8960, 28, 12, 2), qwen(3584, 18944, 28, 28, 4)
     cfg = lambda *a: config.parse_config(["--device=cuda", *a])  # noqa: E731 (not resolved: auto stays auto)
 
+    def plan(c, n, free, mc, world):  # memory_plan, which leaves cfg as it was
+        before = dict(vars(c))
+        err, p = config.memory_plan(c, n, world, free * gib, 0, mc)
+        assert vars(c) == before, "memory_plan changed cfg"
+        return p, err
+
     def auto(c, n, free, mc):
-        err = config.memory_errors(c, n, 1, free * gib, 0, mc)
-        return c.gradient_checkpointing, c.micro_batch_tokens, err
+        p, err = plan(c, n, free, mc, 1)
+        return p.gradient_checkpointing, p.micro_batch_tokens, err
     assert auto(cfg(), 135e6, 79, smol) == (False, 32768, [])
     cell = ["--prompts_per_step=16", "--group_size=8", "--max_completion_len=1024"]
     assert auto(cfg(*cell), 1.54e9, 79, q15) == (True, 32768, [])
@@ -2128,11 +2171,22 @@ def test_grpo_auto_memory_sizes_checkpointing_and_micro_batch():
     assert auto(c, 1.54e9, 79, q15) == (False, 16384, [])
     c = config.parse_config(["--device=cpu"])
     config.resolve(c)
-    assert (c.gradient_checkpointing, c.micro_batch_tokens, c.fsdp) == (False, 32768, True)
+    assert (c.gradient_checkpointing, c.micro_batch_tokens, c.fsdp) == (False, 32768, False)  # one process
+    os.environ["WORLD_SIZE"] = "2"  # (as torchrun sets it)
+    try:
+        cases = [(0, True)] + ([(16, False)] if _have("peft") else [])  # LoRA's auto: replicas
+        for lora_r, fsdp in cases:
+            c = config.parse_config(["--device=cpu", f"--lora_r={lora_r}"])
+            config.resolve(c)
+            assert (c.gradient_checkpointing, c.micro_batch_tokens, c.fsdp) == (False, 32768, fsdp), vars(c)
+            assert vars(config.default_plan(c, 2)) == dict(gradient_checkpointing=False, micro_batch_tokens=32768,
+                                                           fsdp=fsdp)
+    finally:
+        del os.environ["WORLD_SIZE"]
 
     def auto2(c, n, free, mc):  # 2 ranks
-        err = config.memory_errors(c, n, 2, free * gib, 0, mc)
-        return c.gradient_checkpointing, c.micro_batch_tokens, c.fsdp, err
+        p, err = plan(c, n, free, mc, 2)
+        return p.gradient_checkpointing, p.micro_batch_tokens, p.fsdp, err
     cell2 = ["--prompts_per_step=32", "--group_size=8", "--max_completion_len=1024"]  # 16 x 8 a rank
     assert auto2(cfg(*cell2), 1.54e9, 79, q15) == (True, 32768, False, [])
     assert auto2(cfg(*cell2), 1.54e9, 120, q15) == (False, 32768, True, [])
@@ -2456,7 +2510,8 @@ def test_grpo_rewards_verify_answers():
     import tasks
     r = tasks.arithmetic_reward
     assert r("12 + 5 = 17. The answer is 17.", 17) == (1.0, True)
-    assert r("The answer is 16. No wait, the answer is: -3", -3) == (1.0, True)  # the last one counts
+    # two answers earn nothing, even a right last one (test_tasks_reward_reads_one_answer_...)
+    assert r("The answer is 16. No wait, the answer is: -3", -3) == (0.0, False)
     assert r("The answer is 16.", 17) == (0.1, False)  # format only
     assert r("12 + 5 = 17", 17) == (0.0, False)
     c = tasks.countdown_reward
@@ -2497,6 +2552,40 @@ def test_tasks_rewards_never_raise_on_hostile_strings():
         tasks.countdown_reward("The answer is " + s, nums)
         tasks.arithmetic_reward("The answer is " + s, 16)
     assert time.time() - t0 < 5, f"{time.time() - t0:.1f}s"
+
+
+@check
+def test_tasks_reward_reads_one_answer_and_refuses_truncation():
+    """the default reward, through make_reward as the trainer calls it: for arithmetic, countdown
+    and a dataset row, a reply with several answers (any case) or one cut off at max_completion_len
+    earns nothing, format credit included; one right answer ending the reply scores 1.0, a wrong
+    one 0.1. A reward of one's own sees truncated replies as they are. A reply with a long run of
+    spaces after its answer is read quickly (the answer patterns do not backtrack for long)."""
+    import tasks
+    row = {"question": "Tom has 2 apples and buys 3. How many now?", "answer": "2 + 3\n#### 5"}
+    cases = [(tasks.arithmetic_reward, 5, "5", "4"), (tasks.dataset_reward, row, "5", "4"),
+             (tasks.countdown_reward, ((2, 3), 5), "2 + 3", "2 - 3")]
+    for reward, example, right, wrong in cases:
+        replies = [f"2 + 3 = 5. The answer is {right}.",  # right, ending the reply
+                   f"The answer is {wrong}.",  # wrong: the format's 0.1
+                   f"The answer is {wrong}. No wait: the answer is {right}.",  # the last right
+                   f"The answer is {right}.\nThe answer is {right}.",  # the same answer twice
+                   f"The answer is {right}. THE ANSWER IS {right}",
+                   f"The answer is {right}. The equation is: 2 + 3 = 5\nThe answer is {right}. The",
+                   f"2 + 3 = 5. The answer is {right}.",  # right, but truncated
+                   f"The answer is {wrong}."]  # wrong and truncated: no format credit either
+        truncated = [False] * 6 + [True] * 2
+        n = len(replies)
+        got = tasks.make_reward(reward)[0](["q"] * n, replies, [example] * n, [None] * n, truncated)
+        want = [(1.0, True, [1.0]), (0.1, False, [0.1])] + [(0.0, False, [0.0])] * 6
+        assert got == want, (reward.__name__, got)
+        t0 = time.time()
+        for pad in (" " * 20000, "\n" * 20000, right * 5000):
+            assert reward(f"The answer is{pad}x", example)[1] is False
+        assert time.time() - t0 < 1, (reward.__name__, time.time() - t0)
+    mine = tasks.make_reward(lambda text, example: (1.0, True))[0]
+    got = mine(["q"] * 2, ["a", "b"], [5] * 2, [None] * 2, [False, True])
+    assert got == [(1.0, True, [1.0])] * 2, got
 
 
 @check
@@ -2685,8 +2774,10 @@ def test_tasks_trl_batched_rewards_match_trl_calculate_rewards():
              "no 3", "3" * 40]
     G, C = 3, 32  # the last completion is cut at C tokens: no EOS in it
     ids = [(tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id])[:C] for t in texts]
+    cut = [x[-1] != tok.eos_token_id for x in ids]  # truncated: no EOS
     buf = dict(completion_ids=torch.tensor([x + [tok.pad_token_id] * (C - len(x)) for x in ids]),
-               completion_mask=torch.tensor([[1] * len(x) + [0] * (C - len(x)) for x in ids]))
+               completion_mask=torch.tensor([[1] * len(x) + [0] * (C - len(x)) for x in ids]),
+               truncated=torch.tensor(cut))
     spec, w = f"trl.rewards:think_format_reward,{f}:mine", [1.0, 0.5]
     mine = tasks.load_reward(f"{f}:mine")
     received = mine.__globals__["RECEIVED"]
@@ -2715,7 +2806,8 @@ def test_tasks_trl_batched_rewards_match_trl_calculate_rewards():
     assert [ok for _, ok, _ in got] == [False] * 6 and counts["errors"] == 0  # a batched reward reports no `correct`
     assert counts["metrics"] == {"mine_rows": [6.0]} and metrics == {"mine_rows": [6]}, (counts, metrics)
     del received[:]
-    tasks.make_reward(None, f"{f}:columns")[0](["q"] * 2, ["a", "b"], [7, 7], ids[:2])  # a built-in task's target
+    columns = tasks.make_reward(None, f"{f}:columns")[0]
+    columns(["q"] * 2, ["a", "b"], [7, 7], ids[:2], cut[:2])  # a built-in task's target
     assert received == [{"answer": [7, 7], "completion_ids": ids[:2],
                          "prompts": [[{"role": "user", "content": "q"}]] * 2,
                          "trainer_state": received[0]["trainer_state"], "log_extra": received[0]["log_extra"],
@@ -2723,15 +2815,16 @@ def test_tasks_trl_batched_rewards_match_trl_calculate_rewards():
     assert received[0]["trainer_state"].global_step == 0
     err = io.StringIO()
     boom, counts = tasks.make_reward(None, f"{f}:boom,{f}:length", "")
+    args = (["q"] * 6, got_texts, [rows[0]] * 6, ids, cut)  # reward_fn's five arguments
     with contextlib.redirect_stderr(err):
-        got = boom(["q"] * 6, got_texts, [rows[0]] * 6, ids) + boom(["q"] * 6, got_texts, [rows[0]] * 6, ids)
+        got = boom(*args) + boom(*args)
     assert counts["errors"] == 12 and [p[0] for _, _, p in got] == [0.0] * 12, (counts, got)
     assert err.getvalue().count("Traceback") == 1 and "boom reward" in err.getvalue(), err.getvalue()
     assert [p[1] for _, _, p in got[:6]] == [len(x) for x in ids]  # the per-completion form beside it, with its ids
     short, _ = tasks.make_reward(None, f"{f}:short", "")
-    assert_raises(ValueError, lambda: short(["q"] * 6, got_texts, [rows[0]] * 6, ids), "returned 1 rewards for 6")
+    assert_raises(ValueError, lambda: short(*args), "returned 1 rewards for 6")
     both, counts = tasks.make_reward(None, f"{f}:length_kw,{f}:length", "")
-    got = both(["q"] * 6, got_texts, [rows[0]] * 6, ids)
+    got = both(*args)
     assert [p for _, _, p in got] == [[len(x)] * 2 for x in ids] and all(ok for _, ok, _ in got), got
     assert counts["errors"] == 0 and tasks.guard_reward(tasks.arithmetic_reward, counts)(
         ["q"], ["The answer is 7."], [7], [[1, 2]]) == [(1.0, True)]  # (no completion_ids for it: it asks none)
@@ -2848,7 +2941,9 @@ def test_grpo_eval_pass_at_k():
     tok = checkpoint.load_tokenizer(_tiny_model_dir())
     model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
     held = tasks.held_out_set(tasks.arithmetic_prompts, 8, 1)
-    digit = lambda qs, texts, exs, ids: [(1.0, any(c.isdigit() for c in t), [1.0]) for t in texts]  # noqa: E731
+
+    def digit(questions, texts, examples, ids, truncated):  # a reward_fn: correct = a digit in the text
+        return [(1.0, any(c.isdigit() for c in t), [1.0]) for t in texts]
     got = {}
     for temp, k in ((1e-4, 4), (2.0, 4), (2.0, 1)):
         torch.manual_seed(0)
@@ -3093,7 +3188,8 @@ def test_bench_e2e_streams_spread_the_one_gpu_cells():
     torch.cuda.device_count, torch.cuda.get_device_name = (lambda: 2), (lambda *a: "test GPU")
     old_dir, bench_e2e.BENCH_DIR = bench_e2e.BENCH_DIR, tempfile.mkdtemp(prefix="nanogrpo_streams_")
     try:
-        assert bench_e2e.main(["qwen2.5-1.5b", "--streams=3"])
+        with contextlib.redirect_stdout(io.StringIO()):  # its table is not the suite's output
+            assert bench_e2e.main(["qwen2.5-1.5b", "--streams=3"])
     finally:
         bench_e2e.run_cell, bench_e2e.make_model_dir, torch.cuda.device_count, torch.cuda.get_device_name = saved
         bench_e2e.BENCH_DIR = old_dir
