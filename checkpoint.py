@@ -9,6 +9,7 @@ named when it fails to load (loaded).
 """
 import glob
 import json
+import math
 import os
 import random
 import shutil
@@ -380,6 +381,33 @@ def write_log(path, records):
     with open(path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     os.replace(path + ".tmp", path)
+
+
+def format_record(r):
+    """a step's log record as one line for the console"""
+    r = {k: math.nan for k in ("clip_ratio", "clip_low", "clip_high", "entropy")} | r
+    each = [f"{k[7:]} {v:.3f}" for k, v in r.items() if k.startswith("reward/")]
+    s = f"step {r['step']}: reward {r['reward_mean']:.3f}±{r['reward_std']:.3f}"
+    if len(each) > 1:  # each reward's mean, when there are several
+        s += f" ({', '.join(each)})"
+    s += (f" acc {r['accuracy']:.3f} zero_std {r['frac_reward_zero_std']:.2f}"
+          f" len {r['completion_len_mean']:.1f}/{r['completion_len_max']}"
+          f" loss {r['loss']:.4f} clip {r['clip_ratio']:.3f}"
+          f" (lo {r['clip_low']:.3f} hi {r['clip_high']:.3f}) ent {r['entropy']:.3f}"
+          f" gnorm {r['grad_norm']:.3f} gen {r['gen_s']:.1f}s upd {r['update_s']:.1f}s"
+          f" {r['tokens_per_s']:.0f} tok/s {r['peak_gib']:.1f}GiB")
+    if r.get("extra_rollouts"):
+        s += (f" resampled {r['sampling_tries']}x (+{r['extra_rollouts']} rollouts,"
+              f" {r['groups']} groups trained)")
+    if r.get("reward_errors"):
+        s += f" reward_errors {r['reward_errors']}"
+    if "kl" in r:
+        s += f" kl {r['kl']:.4f}"
+    if "eval_accuracy" in r:
+        s += f" | held-out greedy acc {r['eval_accuracy']:.3f}"
+        if "eval_pass_k" in r:
+            s += f" pass@k {r['eval_pass_k']:.3f}"
+    return s
 
 
 def plot_curves(records, out_dir):

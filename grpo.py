@@ -5,19 +5,11 @@ nanoGRPO: GRPO on one GPU, or on N under torchrun. Read it top to bottom.
     python grpo.py --task=countdown --lr=5e-6     # any config.py global, as --key=value
     torchrun --nproc_per_node=2 grpo.py           # 2 processes, each half of each step's groups
 
-A step has three parts:
-  1. sample: prompts_per_step prompts, group_size completions each (rollout.py), scored by the
-     reward (tasks.py). With dynamic_sampling, groups whose rewards all agree are dropped and more
-     prompts drawn.
-  2. update: group advantages, then num_iterations x steps_per_generation optimizer steps over the
-     step's groups (batching.py).
-  3. log, evaluate on the held-out set, save.
-The knobs and their checks live in config.py, what is on disk in checkpoint.py, torchrun's ranks in
-dist.py.
-
+A step: 1. sample prompts_per_step prompts, group_size completions each (rollout.py), scored by
+the reward (tasks.py); 2. update: group advantages, then num_iterations x steps_per_generation
+optimizer steps over the groups (batching.py); 3. evaluate, log, save. The knobs: config.py.
 Left out on purpose: a separate inference server (the policy samples itself: no weights to sync),
-multi-turn and tool calls, learned reward models (a reward is a Python function), and learning-rate
-schedules beyond a linear warmup (nothing to resume).
+multi-turn and tool calls, learned reward models, schedules beyond a linear warmup.
 """
 import json
 import math
@@ -35,14 +27,12 @@ import lora
 from config import default_plan, memory_plan, parse_config, resolve
 from dist import (all_ranks, fsdp_modules, gathered, rank, rank0_value, setup_distributed,
                   shard_model, stat_op, world_size)
-from tasks import TASKS  # noqa: F401 (grpo.TASKS: a test swaps a task's reward here)
-from tasks import (check_training_pool, load_task, make_reward, overlong_penalty, reward_names,
-                   step_seed, train_prompts)
+from tasks import (TASKS, check_training_pool, load_task, make_reward,  # noqa: F401 (TASKS)
+                   overlong_penalty, reward_names, step_seed, train_prompts)
 
 
 # -----------------------------------------------------------------------------
 # prompts and their rewards
-
 def stop_token_ids(model, tokenizer):
     """the ids a completion ends at: the tokenizer's EOS and each EOS of the generation_config,
     as model.generate stops (Qwen2.5 lists 2, Llama-3.1 lists 3)"""
@@ -85,7 +75,6 @@ def generate(model, prompt_ids, prompt_mask, n, temperature, top_p, cfg, tokeniz
 
 # -----------------------------------------------------------------------------
 # 1. sample: a step's groups of completions and their rewards
-
 def sample_draw(cfg, step, draw, policy, tokenizer, make_prompts, reward_fn, eval_questions, dev):
     """one draw of prompts for this rank, its groups sampled and scored. A completion's reward is
     the weighted sum of the rewards plus DAPO's soft overlong penalty."""
@@ -99,9 +88,8 @@ def sample_draw(cfg, step, draw, policy, tokenizer, make_prompts, reward_fn, eva
         buf = generate(policy, prompt_ids, prompt_mask, G, cfg.temperature, cfg.top_p, cfg,
                        tokenizer)
     except torch.cuda.OutOfMemoryError as e:
-        raise torch.cuda.OutOfMemoryError("out of GPU memory while generating: lower "
-                                          "--prompts_per_step, --group_size or "
-                                          "--max_completion_len") from e
+        why = "out of GPU memory while generating: lower --prompts_per_step, --group_size or "
+        raise torch.cuda.OutOfMemoryError(why + "--max_completion_len") from e
     scored = score(reward_fn, tokenizer, buf, pairs, G)[1]  # (B*G,) rows b*G + g
     penalties = [overlong_penalty(L, cfg.max_completion_len, cfg.soft_punish_cache,
                                   cfg.overlong_penalty_factor)
@@ -112,48 +100,34 @@ def sample_draw(cfg, step, draw, policy, tokenizer, make_prompts, reward_fn, eva
     return SimpleNamespace(buf=buf, rewards=rewards, flat=flat, scored=scored, penalties=penalties)
 
 
-def split_groups(cfg, draws, n):
-    """the draws' groups as (draw, group) pairs -> (kept, spare). Without dynamic_sampling every
-    group of the one draw is kept. With it, a group whose rewards all agree has zero advantages
-    and no gradient: it is spare, and the first n informative groups are kept."""
-    kept, spare = [], []
-    for d, draw in enumerate(draws):
-        for b in range(n):
-            if cfg.dynamic_sampling and draw.flat[b]:
-                spare.append((d, b))
-            elif len(kept) < n:
-                kept.append((d, b))
-    return kept, spare
-
-
 def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_questions, dev):
     """1. sample: this rank's share of the step's groups.
     Returns (buf, rewards (B*G,), stats over every completion sampled on every rank)."""
     from batching import concat_groups, select_groups
     n, G = cfg.prompts_per_step // world_size(), cfg.group_size  # this rank's groups
-    draws = []
+    draws, kept, spare = [], [], []  # kept, spare: (draw, group) pairs
     for d in range(cfg.max_sampling_tries if cfg.dynamic_sampling else 1):
-        draws.append(sample_draw(cfg, step, d, policy, tokenizer, make_prompts, reward_fn,
-                                 eval_questions, dev))
-        kept, spare = split_groups(cfg, draws, n)
+        draw = sample_draw(cfg, step, d, policy, tokenizer, make_prompts, reward_fn,
+                           eval_questions, dev)
+        draws.append(draw)
+        for b in range(n):
+            # dynamic_sampling: a group whose rewards all agree has no gradient, it is spare
+            if cfg.dynamic_sampling and draw.flat[b]:
+                spare.append((d, b))
+            elif len(kept) < n:
+                kept.append((d, b))
         if len(kept) == n:
             break
-    # Short of n informative groups, train on those alone (as DAPO and verl do: uniform groups
-    # would only add tokens to the dapo/bnpo normalizers and dilute the rest), topped up with
-    # uniform ones to whole steps_per_generation mini-batches.
+    # Short of n informative groups, train on those alone, as DAPO and verl do (uniform groups
+    # would dilute the dapo/bnpo normalizers), topped up to whole steps_per_generation mini-batches
     K = cfg.steps_per_generation
     chosen = kept + spare[:max(K, math.ceil(len(kept) / K) * K) - len(kept)]
     # the chosen groups, draw by draw, into one buffer (the first draw as it is when all of it)
-    picks = []
-    for d, draw in enumerate(draws):
-        idx = [b for t, b in chosen if t == d]
-        if idx:
-            picks.append((draw, idx))
-    if chosen == [(0, b) for b in range(n)]:
-        buf = draws[0].buf
-    else:
-        buf = concat_groups([select_groups(draw.buf, idx) for draw, idx in picks],
-                            tokenizer.pad_token_id)
+    picks = [(draw, [b for t, b in chosen if t == d]) for d, draw in enumerate(draws)]
+    picks = [(draw, idx) for draw, idx in picks if idx]
+    buf = draws[0].buf
+    if chosen != [(0, b) for b in range(n)]:
+        buf = concat_groups([select_groups(d.buf, idx) for d, idx in picks], tokenizer.pad_token_id)
     rewards = torch.cat([draw.rewards.view(n, G)[idx].view(-1) for draw, idx in picks])  # (B*G,)
     return buf, rewards, sampling_stats(cfg, draws, len(chosen), n)
 
@@ -185,7 +159,6 @@ def sampling_stats(cfg, draws, n_chosen, n):
 
 # -----------------------------------------------------------------------------
 # 2. update: the model and its optimizer
-
 def cast_parameters(model, dt):
     """the parameters in dt, the buffers as they are. RoPE's inv_freq stays float32, as
     from_pretrained(dtype=bfloat16) leaves it: model.to(bfloat16) would round it, and every rotary
@@ -212,12 +185,8 @@ def make_optimizer(policy, cfg, dt):
         master = [p.detach().clone().requires_grad_(True) for p in policy.parameters()]
         cast_parameters(policy, dt)
     params = master if master is not None else trainable
-    if not params[0].is_cuda:
-        fused = {}
-    elif sharded:
-        fused = {"foreach": True}  # DTensors have no fused AdamW
-    else:
-        fused = {"fused": True}
+    # one fused kernel for the whole step on a GPU; FSDP2's DTensors take the foreach one
+    fused = {} if not params[0].is_cuda else {"foreach": True} if sharded else {"fused": True}
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay,
                             **fused)
     return opt, master
@@ -228,7 +197,6 @@ def plan_memory(cfg, base, world, dev, dt):
     free memory (config.memory_plan), and refuse a run whose state cannot fit, before any weight
     loads. Rank 0's plan is every rank's."""
     from transformers import AutoConfig
-
     from batching import free_gpu_bytes
     from rollout import kv_bytes_per_token
     asked = (cfg.gradient_checkpointing, cfg.micro_batch_tokens, cfg.fsdp)
@@ -243,10 +211,7 @@ def plan_memory(cfg, base, world, dev, dt):
             print(f"(memory check skipped: {base}: {type(e).__name__}: {e})")
         if errors:
             raise ValueError("bad config:\n  " + "\n  ".join(errors))
-    plan = rank0_value(plan)
-    cfg.gradient_checkpointing = plan.gradient_checkpointing
-    cfg.micro_batch_tokens = plan.micro_batch_tokens
-    cfg.fsdp = plan.fsdp
+    vars(cfg).update(vars(rank0_value(plan)))  # the three keys, as rank 0 chose them
     print(f"memory: gradient_checkpointing, micro_batch_tokens, fsdp = "
           f"{(cfg.gradient_checkpointing, cfg.micro_batch_tokens, cfg.fsdp)} (asked: {asked})")
 
@@ -256,8 +221,7 @@ def load_models(cfg, base, ckpt, dev, dt):
     the reference model for beta > 0 (None otherwise) -> (policy, ref_model)"""
     from batching import logprobs_forward
     from kv_reuse import checkpointing_enable
-    sharded = world_size() > 1 and cfg.fsdp
-    # FSDP2 loads on the CPU and shards onto dev
+    sharded = world_size() > 1 and cfg.fsdp  # FSDP2 loads on the CPU and shards onto dev
     policy = checkpoint.load_model(base if cfg.lora_r else ckpt or base,
                                    torch.device("cpu") if sharded else dev)
     if cfg.lora_r:
@@ -281,7 +245,6 @@ def load_models(cfg, base, ckpt, dev, dt):
 
 # -----------------------------------------------------------------------------
 # 3. evaluate on the held-out set
-
 @torch.no_grad()
 def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
     """held-out greedy accuracy and format rate (temperature 0, one completion a prompt), sharded
@@ -289,9 +252,8 @@ def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
     among k samples at eval_temperature (with n = k samples, Chen et al.'s 1 - C(n-c, k)/C(n, k) is
     "any correct"). eval_samples: rank 0's first greedy completions, for the log."""
     model.eval()
-    k = cfg.eval_pass_k
+    k, samples = cfg.eval_pass_k, []
     correct = fmt = passed = 0
-    samples = []
     mine = eval_set[rank()::world_size()]
     # chunks of even size: a 1-prompt last chunk would compile the decode for one more shape
     batch = max(1, batch // max(k, 1))  # prompts per chunk, k samples each
@@ -313,8 +275,7 @@ def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
             buf = generate(model, ids, mask, k, cfg.eval_temperature, 1.0, cfg, tokenizer)
             scored = score(reward_fn, tokenizer, buf, chunk, k)[1]
             passed += sum(any(ok for _, ok, _ in scored[j:j + k]) for j in range(0, len(scored), k))
-    counts = all_ranks((correct, fmt, passed))
-    correct, fmt, passed = (sum(x) for x in zip(*counts))
+    correct, fmt, passed = (sum(x) for x in zip(*all_ranks((correct, fmt, passed))))
     out = dict(eval_accuracy=correct / len(eval_set), eval_format=fmt / len(eval_set))
     if k:
         out["eval_pass_k"] = passed / len(eval_set)
@@ -325,7 +286,6 @@ def evaluate(model, tokenizer, eval_set, reward_fn, cfg, dev, batch=128):
 
 # -----------------------------------------------------------------------------
 # the loop
-
 def train(argv):
     """check the config, join torchrun's process group, hold out_dir's lock, run"""
     t_start = time.time()
@@ -376,8 +336,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     # the base model: rank 0 converts the GGUF once, the others wait (on resume the policy is ckpt)
     base = rank0_value(checkpoint.resolve_model_path(cfg.model, cfg.gguf_dir) if r == 0 else None)
     tokenizer = checkpoint.load_tokenizer(ckpt or base)
-    # a prompt over max_prompt_len is refused before anything loads
-    encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)
+    encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)  # too long?
     plan_memory(cfg, base, world, dev, dt)
     checkpoint.open_trackers(cfg, state["step"] if state else 0)  # train's finally closes them
 
@@ -387,13 +346,11 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     print(f"completions end at: {dict(zip(tokenizer.convert_ids_to_tokens(stop), stop))}, "
           f"or max_completion_len")
     reward_fn, reward_count = make_reward(reward_fn, cfg.reward, cfg.reward_weights)
-    # what every step reads
-    trainer = SimpleNamespace(cfg=cfg, dev=dev, policy=policy, ref_model=ref_model,
-                          optimizer=optimizer, master=master, tokenizer=tokenizer,
-                          make_prompts=make_prompts, reward_fn=reward_fn,
-                          reward_count=reward_count, eval_set=eval_set,
-                          eval_questions={q for q, _ in eval_set}, t_start=t_start,
-                          log_path=os.path.join(cfg.out_dir, "log.jsonl"))
+    trainer = SimpleNamespace(  # what every step reads
+        cfg=cfg, dev=dev, policy=policy, ref_model=ref_model, optimizer=optimizer, master=master,
+        tokenizer=tokenizer, make_prompts=make_prompts, reward_fn=reward_fn,
+        reward_count=reward_count, eval_set=eval_set, eval_questions={q for q, _ in eval_set},
+        t_start=t_start, log_path=os.path.join(cfg.out_dir, "log.jsonl"))
 
     step, records = 0, []
     if state:
@@ -412,7 +369,6 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
               f"{ev['eval_format']:.3f}) on {len(eval_set)} prompts{pass_k}")
     if r == 0:
         checkpoint.write_log(trainer.log_path, records)
-
     pbar = tqdm(range(step + 1, cfg.max_steps + 1), initial=step, total=cfg.max_steps,
                 desc="grpo", dynamic_ncols=True, disable=r != 0)
     flat = 0  # steps in a row that sampled no group with reward spread
@@ -420,7 +376,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         rec = train_step(trainer, step)
         out_of_time = cfg.max_minutes > 0 and time.time() - t_start > cfg.max_minutes * 60
         out_of_time = rank0_value(out_of_time)  # every rank stops together
-        flat = flat + 1 if rec["sampled_frac_reward_zero_std"] == 1.0 else 0
+        flat = flat + 1 if rec["sampled_frac_reward_zero_std"] == 1.0 else 0  # no gradient
         stuck = cfg.max_flat_steps > 0 and flat >= cfg.max_flat_steps
         last = step == cfg.max_steps or out_of_time or stuck
         log_step(trainer, rec, last)
@@ -433,9 +389,8 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
             break
         if stuck:
             tqdm.write(f"stopped after step {step}: for {flat} steps in a row every sampled "
-                       f"group's rewards were equal (zero advantages, zero gradient), so the "
-                       f"policy could not change (max_flat_steps={cfg.max_flat_steps}); more "
-                       f"exploration (--temperature, --group_size) or another task helps")
+                       f"group's rewards were equal (zero advantages and gradient: max_flat_steps)"
+                       f"; more exploration (--temperature, --group_size) or another task helps")
             break
     pbar.close()
     finish(trainer, records)
@@ -443,7 +398,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
 
 
 def train_step(trainer, step):
-    """one step: 1. sample and score, 2. update; returns the step's log record"""
+    """one step: 1. sample and score, 2. update -> the step's log record"""
     from batching import prepare_buffer, update_step
     cfg, policy = trainer.cfg, trainer.policy
     for g in trainer.optimizer.param_groups:  # linear warmup, then constant (nothing to resume)
@@ -452,9 +407,8 @@ def train_step(trainer, step):
         torch.cuda.reset_peak_memory_stats()
 
     # 1. sample: generate the step's groups once, one reward per completion
-    t0 = time.time()
+    t0, errors_before = time.time(), trainer.reward_count["errors"]
     policy.eval()
-    errors_before = trainer.reward_count["errors"]
     n_opt = cfg.num_iterations * cfg.steps_per_generation  # optimizer steps per step
     # the rewards' log_metric values, and TRL's trainer_state (optimizer steps before, in all)
     trainer.reward_count.update(metrics={}, state=SimpleNamespace(
@@ -472,19 +426,12 @@ def train_step(trainer, step):
                for _ in range(cfg.num_iterations) for mbs in steps]
     t2 = time.time()
 
-    # each update's stats are already means over its tokens: average them over the updates
+    # each update's stats are means over its tokens already: average them over the updates
     combine = {"max": max, "min": min, "sum": statistics.fmean}
     stats = {k: combine[stat_op(k)]([u[k] for u in updates]) for k in updates[0]}
     stats["micro_batches"] = sum(u["micro_batches"] for u in updates)
-    return step_record(trainer, step, buf, frac_zero_std, sample_stats, stats, len(updates),
-                       errors_before, (t0, t1, t2))
 
-
-def step_record(trainer, step, buf, frac_zero_std, sample_stats, stats, n_updates, errors_before,
-                times):
-    """the step's log record, its numbers over every rank's groups"""
-    cfg = trainer.cfg
-    t0, t1, t2 = times
+    # the step's log record, its numbers over every rank's groups
     lengths, truncated = buf["completion_mask"].sum(1).float(), buf["truncated"].float()
     n_tokens = int(buf["prompt_mask"].sum()) * cfg.group_size + int(lengths.sum())
     if world_size() > 1:
@@ -497,7 +444,7 @@ def step_record(trainer, step, buf, frac_zero_std, sample_stats, stats, n_update
     rec = dict(step=step, **sample_stats, reward_errors=reward_errors,
                frac_reward_zero_std=frac_zero_std, completion_len_mean=lengths.mean().item(),
                completion_len_max=int(lengths.max()), truncated=truncated.mean().item(),
-               **stats, optimizer_steps=n_updates,
+               **stats, optimizer_steps=len(updates),
                lr=trainer.optimizer.param_groups[0]["lr"], gen_s=t1 - t0, update_s=t2 - t1,
                tokens_per_s=n_tokens / (t2 - t0), peak_gib=peak,
                minutes=(time.time() - trainer.t_start) / 60)
@@ -522,7 +469,7 @@ def log_step(trainer, rec, last):
         with open(trainer.log_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         checkpoint.track(rec)
-    tqdm.write(format_record(rec))
+    tqdm.write(checkpoint.format_record(rec))
 
 
 def finish(trainer, records):
@@ -540,33 +487,6 @@ def finish(trainer, records):
     if world_size() > 1:
         # leave together: a rank tearing down gloo while rank 0 still saves aborts the job
         torch.distributed.barrier()
-
-
-def format_record(r):
-    """the step's line in the console"""
-    r = {k: math.nan for k in ("clip_ratio", "clip_low", "clip_high", "entropy")} | r
-    each = [f"{k[7:]} {v:.3f}" for k, v in r.items() if k.startswith("reward/")]
-    s = f"step {r['step']}: reward {r['reward_mean']:.3f}±{r['reward_std']:.3f}"
-    if len(each) > 1:  # each reward's mean, when there are several
-        s += f" ({', '.join(each)})"
-    s += (f" acc {r['accuracy']:.3f} zero_std {r['frac_reward_zero_std']:.2f}"
-          f" len {r['completion_len_mean']:.1f}/{r['completion_len_max']}"
-          f" loss {r['loss']:.4f} clip {r['clip_ratio']:.3f}"
-          f" (lo {r['clip_low']:.3f} hi {r['clip_high']:.3f}) ent {r['entropy']:.3f}"
-          f" gnorm {r['grad_norm']:.3f} gen {r['gen_s']:.1f}s upd {r['update_s']:.1f}s"
-          f" {r['tokens_per_s']:.0f} tok/s {r['peak_gib']:.1f}GiB")
-    if r.get("extra_rollouts"):
-        s += (f" resampled {r['sampling_tries']}x (+{r['extra_rollouts']} rollouts,"
-              f" {r['groups']} groups trained)")
-    if r.get("reward_errors"):
-        s += f" reward_errors {r['reward_errors']}"
-    if "kl" in r:
-        s += f" kl {r['kl']:.4f}"
-    if "eval_accuracy" in r:
-        s += f" | held-out greedy acc {r['eval_accuracy']:.3f}"
-        if "eval_pass_k" in r:
-            s += f" pass@k {r['eval_pass_k']:.3f}"
-    return s
 
 
 if __name__ == "__main__":
