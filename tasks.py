@@ -116,10 +116,10 @@ def true_equation(text, result):
 
 
 def arithmetic_reward(completion, target):
-    """one "The answer is X": 1.0 if X is right and a true equation with result X comes before it
-    (the format the prompt asks for: with the operands written out right before the result, a
-    small model learns negative results; without it, it drops the equation and guesses), 0.5 if X
-    is right with no such equation (still correct), 0.1 if X is wrong, 0 with no single answer."""
+    """one "The answer is X": 1.0 if X is right and a true equation with result X comes before it,
+    the format the prompt asks for; 0.1 (the format's credit, though correct) if X is right with no
+    such equation, or if X is wrong; 0 with no single answer. Rewarded without the equation, a small
+    model drops it and guesses negative results; with the operands written out it learns them."""
     found = only_answer(completion, NUMBER_RE)
     answer = parse_int(found) if found else None
     if answer is None:  # no single answer, or not a number we read: no format credit either
@@ -127,7 +127,7 @@ def arithmetic_reward(completion, target):
     if answer != target:
         return 0.1, False
     before = completion[:ANSWER_IS.search(completion).start()]
-    return (1.0 if true_equation(before, answer) else 0.5), True
+    return (1.0 if true_equation(before, answer) else 0.1), True
 
 
 def countdown_prompts(n, seed, difficulty):
