@@ -31,7 +31,6 @@ ANSWER_IS = re.compile(r"answer is", re.I)
 NUMBER_RE = re.compile(r"answer is:?\s*(-?\d[\d,]*)", re.I)
 EXPR_RE = re.compile(r"answer is:?([\d\s+\-*/()]*\d[\d\s+\-*/()]*)", re.I)
 TEXT_RE = re.compile(r"answer is:?\s*([^\n]*)", re.I)  # the rest of the line (dataset answers)
-EQUATION_RE = re.compile(r"(-?\d{1,20}) ?([+-]) ?(-?\d{1,20}) ?= ?(-?\d{1,20})")  # a + b = c
 MAX_DIGITS = 20  # longest number a reward reads; no task asks for more
 MAX_EXPR_CHARS = 200  # longest expression safe_eval reads, well above any countdown answer
 MAX_DEPTH = 32  # deepest nesting of operators, parentheses and unary signs
@@ -106,28 +105,13 @@ def arithmetic_prompts(n, seed, difficulty):
     return out
 
 
-def true_equation(text, result):
-    """whether text holds an equation "a + b = c" or "a - b = c" that is true and has c == result"""
-    for a, op, b, c in EQUATION_RE.findall(text):
-        a, b, c = int(a), int(b), int(c)
-        if c == result and (a + b if op == "+" else a - b) == c:
-            return True
-    return False
-
-
 def arithmetic_reward(completion, target):
-    """one "The answer is X": 1.0 if X is right and a true equation with result X comes before it,
-    the format the prompt asks for; 0.1 (the format's credit, though correct) if X is right with no
-    such equation, or if X is wrong; 0 with no single answer. Rewarded without the equation, a small
-    model drops it and guesses negative results; with the operands written out it learns them."""
     found = only_answer(completion, NUMBER_RE)
     answer = parse_int(found) if found else None
     if answer is None:  # no single answer, or not a number we read: no format credit either
         return 0.0, False
-    if answer != target:
-        return 0.1, False
-    before = completion[:ANSWER_IS.search(completion).start()]
-    return (1.0 if true_equation(before, answer) else 0.1), True
+    correct = answer == target
+    return (1.0 if correct else 0.1), correct
 
 
 def countdown_prompts(n, seed, difficulty):

@@ -2514,11 +2514,7 @@ def test_grpo_rewards_verify_answers():
     assert r("The answer is 16. No wait, the answer is: -3", -3) == (0.0, False)
     assert r("The answer is 16.", 17) == (0.1, False)  # format only
     assert r("12 + 5 = 17", 17) == (0.0, False)
-    # right without the asked-for equation, or after a false one or one with another result: 0.1
-    assert r("The answer is -3.", -3) == (0.1, True)
-    assert r("2 - 5 = -2. The answer is -3.", -3) == (0.1, True)
-    assert r("2 - 5 = -3, 1 + 1 = 2. The answer is 2.", 2) == (1.0, True)
-    assert r("The answer is -3. 2 - 5 = -3", -3) == (0.1, True)  # the equation comes first
+    assert r("The answer is -3.", -3) == (1.0, True)  # the one answer, wherever it is
     assert r("2-5=-3\nThe answer is -3", -3) == (1.0, True)
     c = tasks.countdown_reward
     assert c("The answer is (3 + 5) * 2.", ((2, 3, 5), 16)) == (1.0, True)
