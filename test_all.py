@@ -736,7 +736,6 @@ def test_rollout_attention_kernel_vs_torch():
     prompt/completion boundary); it writes this step's K/V into the cache at the column, gives finished slots 0 and
     writes nothing for them. With cos/sin it applies RoPE to q and this step's key first (the rotated key is what it
     caches). Split: merged by the merge kernel"""
-    import rollout
     g = torch.Generator().manual_seed(0)
     for N, G, h, kvh, D, P, T, t, S in ((8, 4, 4, 2, 16, 20, 40, 30, 1), (8, 4, 4, 2, 16, 20, 40, 30, 4),
                                         (6, 3, 8, 2, 16, 7, 9, 0, 2), (4, 2, 4, 1, 32, 70, 150, 140, 2)):
@@ -799,7 +798,6 @@ def test_rollout_sampler_kernel_draws_softmax():
     """the inverse-CDF kernels draw from softmax(logits / T) across vocabulary blocks (4 likely ids in 3 blocks of
     1024 or 1 of 4096, one at the last id, and -inf padding ids that must never be drawn), return each draw's
     log-prob under it, the same seed gives the same draws, each call advances the seed"""
-    import rollout
     V, n, T = 3000, 150, 0.5
     logits = torch.full((V,), -30.0)
     logits[1000:1500] = float("-inf")  # (a banned range: probability exactly 0)
@@ -1169,7 +1167,6 @@ def _tiny_model_dir():
 def _tiny_buffer(group_size=4):
     """a generation buffer with ragged prompts/completions, some completions all-truncated, random rewards"""
     from transformers import AutoModelForCausalLM
-    import batching
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
     B, G, P, C, V = 3, group_size, 7, 6, model.config.vocab_size
@@ -1185,7 +1182,6 @@ def _tiny_buffer(group_size=4):
 
 
 def _trainer_cfg(**kw):
-    import grpo
     cfg = config.parse_config(["--device=cpu", "--dtype=float32", "--logprob_impl=chunked"])
     config.resolve(cfg)  # (the CPU's micro_batch_tokens and no checkpointing)
     for k, v in kw.items():
@@ -1289,7 +1285,7 @@ def test_batching_group_over_micro_batch_splits_into_parts():
                 if "lora_B" in n:
                     p.add_(0.1 * torch.randn_like(p))
         cases.append((lora_model, True))
-    P, C, G = 7, 6, buf0["group_size"]
+    P, C = 7, 6
     for m, reuse in cases:
         for budget in (P + 3 * C, 1):  # with reuse: parts of 3 + 1 rows; without, and at 1: one row a part
             outs = []
@@ -2489,7 +2485,6 @@ def test_grpo_resume_continues_identically():
 
 @check
 def test_grpo_config_errors_and_types():
-    import grpo
     need = ("model task max_steps prompts_per_step group_size max_prompt_len max_completion_len temperature top_p lr "
             "weight_decay grad_clip num_iterations epsilon epsilon_high beta loss_type scale_rewards "
             "mask_truncated_completions logprob_impl kv_reuse gradient_checkpointing micro_batch_tokens device dtype "
@@ -3103,7 +3098,6 @@ def test_grpo_torchrun_two_steps_logged_once():
     import json
     import tempfile
     from transformers import AutoModelForCausalLM
-    import grpo
     out = tempfile.mkdtemp(prefix="nanogrpo_torchrun_")
     _write(os.path.join(out, "all_correct.py"), "def reward(text, example):\n    return 1.0, True\n")
 
