@@ -1474,7 +1474,7 @@ def test_batching_ranks_sum_to_one_process():
     of 4 groups, with very uneven completion lengths (so the ranks run different numbers of micro-batches); the loss
     normalizers are counted over all ranks, so the SUM of the ranks' gradients is the one-process gradient of all 4
     groups.
-    Through FSDP2 (grpo.shard_model, for dapo's token count and grpo's sequence count): every rank's full tensor of
+    Through FSDP2 (dist.shard_model, for dapo's token count and grpo's sequence count): every rank's full tensor of
     the reduce-scattered gradient is that sum, and after update_step (clip, AdamW on the shards) the full weights are
     the one-process weights; the logged loss and grad_norm are the global ones. Through the replica engine
     (--fsdp=False, dapo): the ranks' own gradients sum to it, and the all-reduced step gives the same weights. And
