@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no "Loading weights" bars between the lines
 GPU = torch.cuda.is_available()
 if not GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
