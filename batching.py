@@ -165,8 +165,8 @@ def one_entropy_per_context(ent, buf):
         rows = (prompt_of == p).nonzero().squeeze(1)  # (n,) ascending
         # reach[i, j]: the last position where row j's token shares row i's context: within the
         # rows' common prefix and within row j (row i reaches its own last token)
-        reach = torch.stack([(row == ids[rows]).int().cumprod(1).sum(1) for row in ids[rows]])
-        reach = torch.minimum(reach, lengths[rows] - 1)
+        same = ids[rows][:, None, :] == ids[rows][None, :, :]  # (n, n, C)
+        reach = torch.minimum(same.int().cumprod(2).sum(2), lengths[rows] - 1)  # (n, n)
         # at position t, the first j with reach[i, j] >= t: the first where reach's running max is
         j = torch.searchsorted(reach.cummax(1).values, t.expand(len(rows), C).contiguous())
         first[rows] = rows[j.clamp_max(len(rows) - 1)]
@@ -360,8 +360,9 @@ def micro_batch_loss(model, mb, cfg):
     return loss, stats
 
 
-def forward_backward(model, mb, cfg, loss_scale=1.0):
-    """one pass: micro_batch_loss, then the backward of loss * loss_scale -> (loss, stats)"""
+def forward_backward(model, mb, cfg, padding=False):
+    """one pass: micro_batch_loss and its backward -> (loss, stats). A padding pass backpropagates
+    its loss times 0: the hooks and collectives of a pass, no gradient."""
     n, G = len(mb["prompt_ids"]), mb["group_size"]
     what = f"in the loss of a micro-batch of {n} groups x {G} completions"
     # the small ops compiled where the decode compiles too: long completions on a GPU
@@ -370,7 +371,7 @@ def forward_backward(model, mb, cfg, loss_scale=1.0):
     pieces = compiled_pieces(model) if compiled else contextlib.nullcontext()
     with oom_names_knob(cfg, what), pieces:
         loss, stats = micro_batch_loss(model, mb, cfg)
-        (loss * loss_scale).backward()
+        (loss * 0 if padding else loss).backward()
     return loss.detach(), stats
 
 
@@ -391,10 +392,11 @@ def backward(model, buf, mbs, cfg):
         loss_total = loss_total + loss
         for k, v in stats.items():
             totals[k] = COMBINE[stat_op(k)](totals[k], v) if k in totals else v
-    for _ in range(n_padding):  # the first group's first part, all tokens weighted (the graph
-        # reaches every weight), its loss times 0: the same hooks and collectives, no gradient
-        _, mb = micro_batch_parts(buf, mbs[0][0], mbs[0][0] + 1, cfg)[0]
-        forward_backward(model, dict(mb, loss_weights=mb["completion_mask"].float()), cfg, 0.0)
+    if n_padding:  # the first group's first part, all its tokens weighted: the graph reaches
+        _, mb = micro_batch_parts(buf, mbs[0][0], mbs[0][0] + 1, cfg)[0]  # every weight
+        mb = dict(mb, loss_weights=mb["completion_mask"].float())
+    for _ in range(n_padding):
+        forward_backward(model, mb, cfg, padding=True)
     for m in units:  # back to the float32 shards, each holding its summed gradient
         m.reshard()
     totals["micro_batches"] = len(runs) + n_padding

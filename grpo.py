@@ -427,9 +427,10 @@ def train_step(trainer, step):
     t2 = time.time()
 
     # each update's stats are means over its tokens already: average them over the updates
+    passes = sum(u.pop("micro_batches") for u in updates)  # forward/backward passes: a count
     combine = {"max": max, "min": min, "sum": statistics.fmean}
     stats = {k: combine[stat_op(k)]([u[k] for u in updates]) for k in updates[0]}
-    stats["micro_batches"] = sum(u["micro_batches"] for u in updates)
+    stats["micro_batches"] = passes
 
     # the step's log record, its numbers over every rank's groups
     lengths, truncated = buf["completion_mask"].sum(1).float(), buf["truncated"].float()
