@@ -28,7 +28,6 @@ from types import SimpleNamespace
 # An answer starts with "answer is". What follows is read by patterns that cannot backtrack for
 # long: a reply of thousands of spaces or digits is read in linear time.
 ANSWER_IS = re.compile(r"answer is", re.I)
-NUMBER_RE = re.compile(r"answer is:?\s*(-?\d[\d,]*)", re.I)
 EXPR_RE = re.compile(r"answer is:?([\d\s+\-*/()]*\d[\d\s+\-*/()]*)", re.I)
 TEXT_RE = re.compile(r"answer is:?\s*([^\n]*)", re.I)  # the rest of the line (dataset answers)
 MAX_DIGITS = 20  # longest number a reward reads; no task asks for more
@@ -39,12 +38,13 @@ BIN_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv}
 
 
-def only_answer(completion, pattern):
-    """pattern's group 1 at the reply's one "answer is"; None if it has none, or several"""
+def only_answer(completion, pattern, groups=1):
+    """pattern's first matched group of 1..groups at the reply's one "answer is"; None if it has
+    none, or several"""
     if len(ANSWER_IS.findall(completion)) != 1:
         return None
     found = pattern.search(completion)
-    return found.group(1) if found else None
+    return next((g for g in found.groups()[:groups] if g is not None), None) if found else None
 
 
 def parse_int(s):
@@ -87,10 +87,15 @@ def safe_eval(expr):
         return None
 
 
-# The format asks for the equation before the answer: a small model then writes the operands right
-# before the result, and copies the example's minus sign (asked for a number only, it writes none).
-ARITHMETIC_FORMAT = ("Write the equation with its result, then end your reply with: The answer is "
-                     "NUMBER. For example, for 2 - 5: 2 - 5 = -3. The answer is -3.")
+# The answer line holds the equation: "The answer is 2 - 5 = -3". A small model then writes the
+# operands right before the result, and copies the example's minus sign; asked for the number
+# alone (or for the equation before the answer), it drops the equation and guesses the sign.
+ARITHMETIC_FORMAT = ("End your reply with the equation and its result: The answer is EQUATION = "
+                     "NUMBER. For example, for 2 - 5: The answer is 2 - 5 = -3.")
+# the number after the answer's equation, else a number right after "answer is" that no operator
+# follows ("The answer is 3 + 4 =" has no result, not the result 3)
+RESULT_RE = re.compile(r"answer is:?[\d\s+\-*/()]{0,40}=\s*(-?\d[\d,]*)"
+                       r"|answer is:?\s*(-?\d[\d,]*)(?![\d,]|\s*[+\-*/=])", re.I)
 
 
 def arithmetic_prompts(n, seed, difficulty):
@@ -106,7 +111,7 @@ def arithmetic_prompts(n, seed, difficulty):
 
 
 def arithmetic_reward(completion, target):
-    found = only_answer(completion, NUMBER_RE)
+    found = only_answer(completion, RESULT_RE, groups=2)
     answer = parse_int(found) if found else None
     if answer is None:  # no single answer, or not a number we read: no format credit either
         return 0.0, False

@@ -2512,6 +2512,9 @@ def test_grpo_rewards_verify_answers():
     assert r("12 + 5 = 17", 17) == (0.0, False)
     assert r("The answer is -3.", -3) == (1.0, True)  # the one answer, wherever it is
     assert r("2-5=-3\nThe answer is -3", -3) == (1.0, True)
+    assert r("The answer is 2 - 5 = -3.", -3) == (1.0, True)  # the equation inside the answer
+    assert r("The answer is 1 - 5 = -3.", -4) == (0.1, False)  # its result is read, not an operand
+    assert r("The answer is 3 + 0 =", 3) == (0.0, False)  # no result: not the first operand either
     c = tasks.countdown_reward
     assert c("The answer is (3 + 5) * 2.", ((2, 3, 5), 16)) == (1.0, True)
     assert c("The answer is 3 * 5 + 2", ((2, 3, 5), 17)) == (1.0, True)
