@@ -6,6 +6,7 @@ grpo lands, with its table in the change's note.
     python bench_e2e.py [WORD ...] [-WORD ...]   # the cells whose name has every WORD and no -WORD; --list names them
     python bench_e2e.py --streams=4              # the one-GPU cells in 4 streams over the GPUs: a check, no timing
     python bench_e2e.py --model qwen2.5-7b DIR   # just build a random-weight model directory (bench_fsdp.sh 7b)
+    python bench_e2e.py --model qwen2.5-1.5b+eos148 DIR  # the same with 148 more EOS ids (ragged lengths)
 
 Each cell is a fresh process (torchrun for the 2- and 4-GPU cells, skipped with fewer GPUs), `--run-cell --key=value ...`:
 grpo.train with no checkpoint written unless BENCH_SAVE=1. gen and update are the last step's seconds (step 1 also
@@ -17,6 +18,7 @@ Llama-3.2: head_dim 64, llama3 RoPE; Qwen3: q/k RMSNorm) at real widths, 4 layer
 import json
 import math
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -48,10 +50,14 @@ SHAPES = {  # family: (config class, config); the layer count is the real model'
 }
 
 
-def make_model_dir(family, path, layers=None):
+def make_model_dir(family, path, layers=None, eos_ids=0):
     """a random-weight bf16 HF directory of the family's shape (layers: fewer than the real model's), with a
     character tokenizer padded to the vocabulary (ChatML template; <|im_end|> = id 2 is EOS, which a random model
-    practically never samples, so every completion runs to max_completion_len). Built on the GPU; kept if there."""
+    practically never samples, so every completion runs to max_completion_len). Built on the GPU; kept if there.
+    eos_ids: that many more ids end a completion, listed with id 2 in generation_config.json's eos_token_id (what
+    grpo.stop_token_ids reads). A random model's next token is close to uniform over the V ids, so it stops with
+    probability ~(eos_ids + 1) / V a token: lengths roughly geometric, mean ~V / (eos_ids + 1). The weights do not
+    depend on eos_ids (the same seed): such a directory differs from the plain one only in where rows end."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
@@ -64,7 +70,8 @@ def make_model_dir(family, path, layers=None):
     V = cfg["vocab_size"]
     specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
     vocab = {t: i for i, t in enumerate(specials + [chr(i) for i in range(32, 127)] + ["\n"])}
-    vocab.update({f"<t{i}>": i for i in range(len(vocab), V)})
+    named = len(vocab)  # specials and characters; ids from here on are the filler "<tN>"
+    vocab.update({f"<t{i}>": i for i in range(named, V)})
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
@@ -78,6 +85,9 @@ def make_model_dir(family, path, layers=None):
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = getattr(transformers, cls.replace("Config", "ForCausalLM"))(config)
     torch.set_default_dtype(torch.float32)
+    if eos_ids:  # filler ids only (characters keep their meaning: digit_share), the same ones on every build
+        extra = sorted(random.Random(0).sample(range(named, V), eos_ids))
+        model.generation_config.eos_token_id = [cfg["eos_token_id"], *extra]
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -86,7 +96,8 @@ def make_model_dir(family, path, layers=None):
     n = sum(p.numel() for p in model.parameters())
     del model
     torch.cuda.empty_cache()  # (else this process keeps the weights' memory reserved while the cells run beside it)
-    print(f"built {path}: {family}, {config.num_hidden_layers} layers, {n / 1e9:.2f} B parameters", flush=True)
+    print(f"built {path}: {family}, {config.num_hidden_layers} layers, {n / 1e9:.2f} B parameters, "
+          f"{eos_ids + 1} EOS ids", flush=True)
     return path
 
 
@@ -146,10 +157,22 @@ def cell_command(nproc, args, script=__file__):
     return launch + [os.path.abspath(script), "--run-cell"] + args
 
 
+def parse_model(model):
+    """a cell's model "family[/layers][+eosK]" -> (family, layers or None, K): "qwen2.5-1.5b/4" the family's
+    first 4 layers, "+eos148" 148 more EOS ids (make_model_dir's eos_ids: ragged completion lengths)"""
+    spec, _, eos = model.partition("+eos")
+    family, _, layers = spec.partition("/")
+    return family, int(layers or 0) or None, int(eos or 0)
+
+
 def model_path(model):
-    """a cell's model ("family" or "family/layers") as a directory of BENCH_DIR, built on first use"""
-    family, _, layers = model.partition("/")
-    return make_model_dir(family, os.path.join(BENCH_DIR, "models", model.replace("/", "_")), int(layers or 0) or None)
+    """a cell's model (parse_model's spec) as a directory of BENCH_DIR, built on first use; each spec its own
+    directory (a "+eosK" one is not the plain family's)"""
+    family, layers, eos_ids = parse_model(model)
+    path = os.path.join(BENCH_DIR, "models", model.replace("/", "_"))
+    if eos_ids:
+        return make_model_dir(family, path, layers, eos_ids)
+    return make_model_dir(family, path, layers)  # (three arguments: test_all stubs make_model_dir(family, path, layers))
 
 
 def run_cell(name, model, flags, nproc, keep=None, script=__file__, env=None):
@@ -249,7 +272,8 @@ if __name__ == "__main__":
     argv = sys.argv[1:]
     if argv[:1] == ["--run-cell"]:
         run(argv[1:])
-    elif argv[:1] == ["--model"]:
-        make_model_dir(argv[1], argv[2])
+    elif argv[:1] == ["--model"]:  # a spec as the cells write it: family[/layers][+eosK]
+        family, layers, eos_ids = parse_model(argv[1])
+        make_model_dir(family, argv[2], layers, eos_ids)
     else:
         sys.exit(0 if main(argv) else 1)

@@ -10,6 +10,14 @@ set here, none in the library): the GPU time of the kernels launched in prompt (
 rest of the micro-batches' forwards), lm_head (the log-prob kernel, both ways), optimizer (clip + AdamW), backward
 (the rest of update_step); comm: NCCL's kernels (2 GPUs: FSDP2's reduce-scatters, overlapping the backward); idle =
 its wall with no kernel running.
+
+A random-weight model practically never writes its EOS, so every other cell's completions all run to the cap. A
+"ragged" cell's model lists many more EOS ids (bench_e2e's "+eosK" spec), so its lengths are roughly geometric; it
+runs with its uniform twin (RAGGED_TWIN: a selected ragged cell brings its twin into the call, so both run on one
+GPU), and a last table sets each beside its twin per generated token of the timed step: gen and update seconds a
+token, their ratios ragged / uniform, the whole step's generated tokens/s ratio, and the log's padding_frac (the
+share of the update's token slots that were padding; "-" where the log has none). `python bench_step.py --list`
+names the cells.
 """
 import collections
 import functools
@@ -22,7 +30,7 @@ import bench_e2e
 
 GC = "--gradient_checkpointing=True"
 cell = lambda B, G, C, *more: [f"--prompts_per_step={B}", f"--group_size={G}", f"--max_completion_len={C}", *more]
-CELLS = {  # name: (model (a bench_e2e family), grpo flags, processes (torchrun: FSDP2, rank 0's numbers, per GPU))
+CELLS = {  # name: (model (a bench_e2e model spec: family[+eosK]), grpo flags, processes (torchrun: FSDP2, rank 0's numbers, per GPU))
     "1.5B full 16x8x1024 gc": ("qwen2.5-1.5b", cell(16, 8, 1024, GC), 1),
     "1.5B full 16x8x1024 mbt=16384": ("qwen2.5-1.5b", cell(16, 8, 1024, "--micro_batch_tokens=16384",
                                                             "--gradient_checkpointing=False"), 1),
@@ -30,6 +38,12 @@ CELLS = {  # name: (model (a bench_e2e family), grpo flags, processes (torchrun:
     "1.5B full 8x16x4096 gc": ("qwen2.5-1.5b", cell(8, 16, 4096, GC), 1),
     "135M default 32x16x64": ("smollm2-135m", cell(32, 16, 64), 1),  # the default run's shape
     "1.5B full 32x8x1024 gc 2 GPUs": ("qwen2.5-1.5b", cell(32, 8, 1024, GC, "--fsdp=True"), 2),  # 16 groups a GPU
+    # 148 more EOS ids of the 151,936: a row stops with probability ~149/V a token, so its length is about
+    # geometric, mean ~1,020 before the cap (which ~2% of rows reach): about the tokens of its twin, ragged
+    "1.5B full 16x8x4096 gc ragged": ("qwen2.5-1.5b+eos148", cell(16, 8, 4096, GC), 1),
+}
+RAGGED_TWIN = {  # ragged cell: its uniform twin (every completion at its cap), run in the same call
+    "1.5B full 16x8x4096 gc ragged": "1.5B full 16x8x1024 gc",
 }
 PHASES = ("lm_head", "prompt", "optimizer", "forward", "update")  # innermost first: a kernel counts in the first
 
@@ -66,6 +80,13 @@ def covered(intervals):
     return total
 
 
+def flag(args, key, default=None):
+    """the value of the last --key=value in args: grpo's config takes the last, and a cell's args are bench_e2e's
+    BASE (--max_steps=3 among them) followed by the cell's own flags (--max_steps=4)"""
+    values = [a.split("=", 1)[1] for a in args if a.startswith(f"--{key}=")]
+    return values[-1] if values else default
+
+
 def run(args):
     """in the cell's process: grpo.train(args), the ranges and the profiler set around it; writes the cell's numbers"""
     import torch
@@ -80,7 +101,7 @@ def run(args):
     import rollout
     checkpoint.save_checkpoint = lambda *a, **k: None
     seen = {"steps": 0}
-    steps = int(next(a.split("=")[1] for a in args if a.startswith("--max_steps=")))
+    steps = int(flag(args, "max_steps"))  # the last step is profiled, the one before it timed
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else []))
 
     def ranged(name, fn, start=False):
@@ -136,11 +157,11 @@ def run(args):
     cfg = model.config
     x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda") if dev else None
     rate = 2 * 8192**3 / (triton.testing.do_bench(lambda: x @ x) / 1e3) if dev else float("nan")  # FLOP/s
-    lora = any(a.startswith("--lora_r=") and a != "--lora_r=0" for a in args)
+    lora = int(flag(args, "lora_r", 0)) > 0
     n_mat = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "lora_" not in n
                 and ("embed_tokens" not in n or cfg.tie_word_embeddings))  # the matrices a token runs through
-    tokens = (sum(seen["P"]) + sum(seen["C"])) * int(next(  # kv_reuse: each prompt once + its G completions, a pass
-        (a.split("=")[1] for a in args if a.startswith("--num_iterations=")), 1))
+    # kv_reuse: each prompt once + its G completions, a pass
+    tokens = (sum(seen["P"]) + sum(seen["C"])) * int(flag(args, "num_iterations", 1))
     kv_token = rollout.kv_bytes_per_token(cfg, 2)  # bytes of one token's K and V (bf16)
     weights = sum(2 * p.numel() for n, p in model.named_parameters()  # what a decode step reads, bf16 (FSDP2's
                   if "embed_tokens" not in n or cfg.tie_word_embeddings)  # parameters are float32 shards)
@@ -149,6 +170,8 @@ def run(args):
     bw = __import__("bench_rollout").spec_bandwidth() or float("nan")  # datasheet HBM bytes/s
     stats = torch.cuda.memory_stats() if dev else {}  # the run's allocator retries and cudaFrees
     res = dict(gen=timed["gen_s"], update=timed["update_s"], peak=max(r["peak_gib"] for r in recs if "peak_gib" in r),
+               gen_tokens=sum(seen["C"]), len_max=max(seen["C"]), truncated=timed.get("truncated"),
+               padding_frac=timed.get("padding_frac"),  # (rank 0's tokens, the log's whole-step keys)
                gen_floor=(max(seen["C"]) * weights + kv_read) / bw, rate=rate,
                update_floor=(4 if lora else 6) * n_mat * tokens / rate,
                phases=gpu_phases(os.path.join(out_dir, "trace.json")) if dev and seen.get("profiling") else ({}, 1, []),
@@ -156,10 +179,44 @@ def run(args):
     json.dump(res, open(os.path.join(out_dir, "step.json"), "w"))
 
 
+def ragged_table(results):
+    """each ragged cell of results (name: its step.json) beside its uniform twin, both of this call: the timed
+    step's generated tokens, gen and update seconds, each per generated token, and ragged / uniform of those and
+    of the step's generated tokens/s"""
+    pairs = [(rag, uni) for rag, uni in RAGGED_TWIN.items() if rag in results and uni in results]
+    if not pairs:
+        return
+    print("\nragged vs uniform, step 3: us/tok = microseconds per generated token; step tok/s = generated tokens / "
+          "(gen + update); trunc = share of rows cut at the cap; padding = the log's padding_frac")
+    print(f"| {'cell':<32} | {'tokens':>7} {'len max':>7} {'trunc':>5} | {'gen s':>6} {'upd s':>6} | "
+          f"{'gen us/tok':>10} {'upd us/tok':>10} {'step tok/s':>10} | {'padding':>7}")
+    for rag, uni in pairs:
+        for name in (uni, rag):
+            r = results[name]
+            n, pad, trunc = r["gen_tokens"], r.get("padding_frac"), r.get("truncated")
+            print(f"| {name:<32} | {n:7d} {r['len_max']:7d} {'-' if trunc is None else f'{trunc:.2f}':>5} | "
+                  f"{r['gen']:6.2f} {r['update']:6.2f} | {1e6 * r['gen'] / n:10.2f} {1e6 * r['update'] / n:10.2f} "
+                  f"{n / (r['gen'] + r['update']):10.0f} | {'-' if pad is None else f'{pad:.3f}':>7}")
+        a, b = results[rag], results[uni]
+        per_token = lambda key: (a[key] / a["gen_tokens"]) / (b[key] / b["gen_tokens"])
+        step_rate = (a["gen_tokens"] / (a["gen"] + a["update"])) / (b["gen_tokens"] / (b["gen"] + b["update"]))
+        print(f"| {'  ragged / uniform':<32} | {a['gen_tokens'] / b['gen_tokens']:7.2f} {'':7} {'':5} | "
+              f"{a['gen'] / b['gen']:6.2f} {a['update'] / b['update']:6.2f} | {per_token('gen'):10.2f} "
+              f"{per_token('update'):10.2f} {step_rate:10.2f} |", flush=True)
+
+
 def main(words):
+    if "--list" in words:  # the cells, their models and flags, and which twin a ragged cell brings along
+        for k, (model, flags, nproc) in CELLS.items():
+            twin = f" (twin: {RAGGED_TWIN[k]})" if k in RAGGED_TWIN else ""
+            print(f"{k:<32} {model:<20} nproc={nproc} {' '.join(flags)}{twin}")
+        return
     import torch
     extra = [w for w in words if w.startswith("--")]  # --key=value: added to every cell's flags
-    cells = {k: v for k, v in CELLS.items() if all(w in k for w in words if w not in extra)}
+    chosen = [k for k in CELLS if all(w in k for w in words if w not in extra)]
+    chosen += [RAGGED_TWIN[k] for k in chosen if k in RAGGED_TWIN]  # a ragged cell is read against its twin
+    cells = {k: v for k, v in CELLS.items() if k in chosen}  # (CELLS' order: the twin runs first)
+    results = {}
     print(f"GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}, torch {torch.__version__}; "
           f"seconds of step 3, floors as in this file's docstring; phases: the profiled step 4's update; "
           f"flags: {' '.join(extra) or 'the cells own'}")
@@ -171,11 +228,14 @@ def main(words):
             continue
         label = " ".join([name, *extra])  # (its own out_dir and log: a run with other flags keeps this one's)
         out_dir = os.path.join(bench_e2e.BENCH_DIR, "step", "".join(c if c.isalnum() else "_" for c in label))
+        step_json = os.path.join(out_dir, "step.json")
+        if os.path.exists(step_json):  # (an earlier run's: a failed run must not be read as this one)
+            os.remove(step_json)
         row = bench_e2e.run_cell(label, model, [*flags, *extra, "--max_steps=4"], nproc, out_dir, __file__)
-        if not os.path.exists(os.path.join(out_dir, "step.json")):
+        if not os.path.exists(step_json):
             print(f"| {name:<32} | ERROR {row.get('why', '')}", flush=True)
             continue
-        r = json.load(open(os.path.join(out_dir, "step.json")))
+        r = results[name] = json.load(open(step_json))
         phases, wall, top = r["phases"]
         ph = " ".join(f"{k} {100 * v / wall:.0f}" for k, v in phases.items())
         print(f"| {name:<32} | {r['gen']:6.2f} {r['gen_floor']:6.2f} {r['gen_floor'] / r['gen']:5.2f} | "
@@ -185,6 +245,7 @@ def main(words):
               f"kernels {wall - phases.get('idle', 0):.2f} s; allocator {r.get('mem')})", flush=True)
         print("|   the update's top kernels, % of its wall: " + ", ".join(f"{n[:60]} {100 * t / wall:.0f}"
                                                                            for n, t in top))
+    ragged_table(results)
 
 
 if __name__ == "__main__":
