@@ -15,7 +15,8 @@ import torch
 
 import lora
 from dist import all_ranks, distributed, fsdp_modules, global_stats, global_sum, stat_op
-from kv_reuse import compiled_pieces, completion_hidden
+from kv_reuse import (compiled_pieces, completion_hidden, micro_batches, reuse_unsupported,
+                      token_slots)
 from logprobs import token_logprobs
 from rollout import COMPILE_MIN_TOKENS, LAST, eos_tensor, generate_in_waves
 
@@ -173,24 +174,6 @@ def one_entropy_per_context(ent, buf):
     return torch.where(buf["completion_mask"].bool(), ent.gather(0, first), ent)
 
 
-def micro_batches(prompt_mask, completion_mask, group_size, micro_batch_tokens, reuse=True):
-    """Split the B groups into runs [b0, b1) of whole groups within micro_batch_tokens (a lone group
-    over it gets its own): n groups cost n*(P + G*C) tokens with KV reuse, n*G*(P + C) without."""
-    G = group_size
-    p_len = prompt_mask.sum(1).tolist()  # (B,) left-padded, so a run needs max(p_len) columns
-    c_len = completion_mask.view(-1, G, completion_mask.shape[1]).sum(2).amax(1).tolist()  # (B,)
-    out, b0, p_max, c_max = [], 0, 0, 0
-    for b in range(len(p_len)):
-        p_new, c_new = max(p_max, p_len[b]), max(c_max, c_len[b])
-        per_group = p_new + G * c_new if reuse else G * (p_new + c_new)
-        if b > b0 and (b + 1 - b0) * per_group > micro_batch_tokens:
-            out.append((b0, b))
-            b0, p_new, c_new = b, p_len[b], c_len[b]
-        p_max, c_max = p_new, c_new
-    out.append((b0, len(p_len)))
-    return out
-
-
 def slice_groups(buf, b0, b1):
     """the groups [b0, b1) of the buffer, without the padding columns that none of its rows use"""
     G = buf["group_size"]
@@ -204,35 +187,48 @@ def slice_groups(buf, b0, b1):
 
 def micro_batch_parts(buf, b0, b1, cfg):
     """The micro-batch [b0, b1) as [(first buffer row, part)]: itself, or a lone group over budget
-    in parts of its own completions (each runs the prompt again; the gradients sum to the whole)."""
+    in parts of consecutive completions within it (each runs the prompt again; the gradients sum
+    to the whole). A part carries its host "lengths" (prompt, completions): no read in the loop."""
     G, mb = buf["group_size"], slice_groups(buf, b0, b1)
-    P, C, budget = mb["prompt_ids"].shape[1], mb["completion_ids"].shape[1], cfg.micro_batch_tokens
-    # g rows a part: P + g*C tokens with KV reuse, g*(P + C) without
-    g = max(1, (budget - P) // C if cfg.kv_reuse else budget // (P + C))
-    if b1 - b0 > 1 or g >= G:
-        return [(b0 * G, mb)]
+    p_len = mb["prompt_mask"].sum(1).tolist()
+    c_len = mb["completion_mask"].sum(1).tolist()
+    p, budget = max(p_len), cfg.micro_batch_tokens
+
+    def cost(r0, r1):  # rows [r0, r1) of a lone group: packed, or padded to its longest
+        if cfg.kv_reuse:
+            return p - 1 + sum(c_len[r0:r1])
+        return (r1 - r0) * (p + max(c_len[r0:r1]))
+    if b1 - b0 > 1 or cost(0, G) <= budget:
+        return [(b0 * G, dict(mb, lengths=(p_len, c_len)))]
+    bounds, r0 = [], 0
+    for r in range(1, G):
+        if cost(r0, r + 1) > budget:
+            bounds.append((r0, r))
+            r0 = r
+    bounds.append((r0, G))
     parts = []
-    for r in range(0, G, g):  # each part a group of its own, its unused padding columns cut off
-        rows = {k: mb[k][r:r + g] for k in ROW_KEYS if k in mb}
-        part = dict(mb, group_size=len(rows["completion_ids"]), **rows)
-        parts.append((b0 * G + r, slice_groups(part, 0, 1)))
+    for r0, r1 in bounds:  # each part a group of its own, its unused padding columns cut off
+        rows = {k: mb[k][r0:r1] for k in ROW_KEYS if k in mb}
+        part = slice_groups(dict(mb, group_size=r1 - r0, **rows), 0, 1)
+        parts.append((b0 * G + r0, dict(part, lengths=(p_len, c_len[r0:r1]))))
     return parts
 
 
 def completion_logprobs(model, mb, keep, temperature, logprob_impl, kv_reuse, entropy):
     """log pi of the N tokens where keep (B*G, C), row-major -> (logp (N,), entropy (N,) or None)"""
     args = (mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"],
-            mb["group_size"], keep, temperature, logprob_impl, kv_reuse, entropy)
+            mb["group_size"], keep, temperature, logprob_impl, kv_reuse, entropy, mb.get("lengths"))
     if "logprobs_forward" in vars(model):  # FSDP2: the same function as a forward of the root
         return model.logprobs_forward(*args)
     return logprobs_forward(model, *args)
 
 
 def logprobs_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size,
-                     keep, temperature, logprob_impl, kv_reuse, entropy):
+                     keep, temperature, logprob_impl, kv_reuse, entropy, lengths=None):
     """completion_logprobs' body; under FSDP2 a forward method of the root (shard_model says why)"""
     h = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                          group_size, reuse=kv_reuse)[keep]  # (N, H): all the LM head sees
+                          group_size, reuse=kv_reuse, lengths=lengths)  # (completion tokens, H)
+    h = h[keep[completion_mask.bool()]]  # (N, H): all the LM head sees
     weight = model.get_output_embeddings().weight  # (V, H)
     return token_logprobs(h.to(weight.dtype), weight, completion_ids[keep],
                           temperature=temperature, entropy=entropy, impl=logprob_impl)
@@ -387,9 +383,12 @@ def backward(model, buf, mbs, cfg):
     if units:  # FSDP2: each backward reduce-scatters, so every rank runs as many as the busiest
         n_padding = int(global_sum(torch.tensor(len(runs), device=w_sum.device), "max")) - len(runs)
     totals, loss_total = {}, torch.zeros_like(w_sum)  # on the device: no host sync per pass
+    packed = cfg.kv_reuse and not reuse_unsupported(model)
     for mb in runs:
         loss, stats = forward_backward(model, mb, cfg)
         loss_total = loss_total + loss
+        stats["real_tokens"], stats["token_slots"] = token_slots(
+            mb["prompt_mask"], mb["completion_mask"], mb["group_size"], packed)
         for k, v in stats.items():
             totals[k] = COMBINE[stat_op(k)](totals[k], v) if k in totals else v
     if n_padding:  # the first group's first part, all its tokens weighted: the graph reaches
@@ -425,12 +424,15 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
     # 1. forward and backward of every pass: the mini-batch's gradient in .grad
     totals, loss_total, w_sum = backward(model, buf, mbs, cfg)
     passes = totals.pop("micro_batches")
+    none = torch.zeros_like(w_sum)  # (no pass ran: every token masked)
+    slots = totals.pop("real_tokens", none), totals.pop("token_slots", none)
     # 2. the gradients the optimizer steps (float32 masters; replicas: summed over the ranks)
     params = gradients_to_step(model, master)
     # 3. the stats over every rank, each by its stat_op
     if distributed():
         totals = global_stats(totals, w_sum.device)
         loss_total, w_sum = global_sum(loss_total), global_sum(w_sum)
+        slots = global_sum(slots[0]), global_sum(slots[1])
     # 4. clip (grad_clip 0: measure the norm only), step, round the masters back into the model
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over every rank's shards
@@ -445,12 +447,14 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
     keys = list(totals)
     numbers = [totals[k].float() for k in keys]
     numbers += [loss_total.float(), w_sum, grad_norm.float().to(w_sum.device)]
-    *values, loss, w_sum, grad_norm = torch.stack(numbers).tolist()
+    numbers += [slots[0].float(), slots[1].float()]
+    *values, loss, w_sum, grad_norm, real, slots = torch.stack(numbers).tolist()
     out = dict.fromkeys(("clip_low", "clip_high", "clip_ratio", "entropy", "ratio_mean",
                          "ratio_dev_max"), math.nan)
     for k, v in zip(keys, values):
         out[k] = v / max(w_sum, 1e-12) if stat_op(k) == "sum" else v
-    return dict(out, loss=loss, grad_norm=grad_norm, micro_batches=passes)
+    pad = 1 - real / slots if slots else 0.0  # the share of the token slots that held padding
+    return dict(out, loss=loss, grad_norm=grad_norm, micro_batches=passes, padding_frac=pad)
 
 
 def prepare_buffer(model, ref_model, buf, rewards, cfg):

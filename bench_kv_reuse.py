@@ -1,7 +1,7 @@
 """
 Benchmark of kv_reuse.py: one training forward + backward (completion_hidden, then the fused
-log-prob loss) with each group's prompt run once (reuse) against every completion re-reading its
-prompt (full), by prompt length. GPU: a Qwen2.5-0.5B-shaped random model in bf16; CPU: a smoke run.
+log-prob loss) with each group's prompt run once in a packed row (reuse) against every completion
+re-reading its prompt in a padded batch (full), by prompt length. GPU: a Qwen2.5-0.5B-shaped random model in bf16; CPU: a smoke run.
 
     python bench_kv_reuse.py
 """
@@ -60,11 +60,11 @@ def bench_batch(model, P, mixed=False):
 def train_step(model, batch, reuse):
     """One fwd+bwd of the mean completion log-prob; returns the masked log-probs (B*G, C)."""
     completion_ids, completion_mask = batch[2:]
-    h = completion_hidden(model, *batch, G_, reuse=reuse)
-    lp = token_logprobs(h, model.lm_head.weight, completion_ids, entropy=False, impl=LOGP_IMPL)[0]
-    lp = lp.view(B_ * G_, C_)
-    (-(lp * completion_mask).sum() / completion_mask.sum()).backward()
-    return lp.detach() * completion_mask
+    keep = completion_mask.bool()
+    h = completion_hidden(model, *batch, G_, reuse=reuse)  # (N, H)
+    lp = token_logprobs(h, model.lm_head.weight, completion_ids[keep], entropy=False, impl=LOGP_IMPL)[0]
+    (-lp.sum() / keep.sum()).backward()
+    return torch.zeros(keep.shape, dtype=lp.dtype, device=lp.device).masked_scatter(keep, lp.detach())
 
 
 def bench_train(model, P, reuse, mixed=False):

@@ -6,8 +6,8 @@ the HBM roofline of the decode steps it ran (every weight once a step + each liv
 at bench_rollout.SPEC_BW); update = k * N * tokens / the bf16 GEMM rate (an 8192^3 matmul in the same process): N the
 matmul parameters, tokens each prompt once + its completions, per pass, k = 6 (forward, input and weight gradients) or
 4 for LoRA (no weight gradient for the frozen base); checkpointing's recompute is a cost, not floor. Phases (ranges
-set here, none in the library): the GPU time of the kernels launched in prompt (kv_reuse's prompt pass), forward (the
-rest of the micro-batches' forwards), lm_head (the log-prob kernel, both ways), optimizer (clip + AdamW), backward
+set here, none in the library): the GPU time of the kernels launched in forward (the micro-batches' packed
+forwards), lm_head (the log-prob kernel, both ways), optimizer (clip + AdamW), backward
 (the rest of update_step); comm: NCCL's kernels (2 GPUs: FSDP2's reduce-scatters, overlapping the backward); idle =
 its wall with no kernel running.
 
@@ -45,7 +45,7 @@ CELLS = {  # name: (model (a bench_e2e model spec: family[+eosK]), grpo flags, p
 RAGGED_TWIN = {  # ragged cell: its uniform twin (every completion at its cap), run in the same call
     "1.5B full 16x8x4096 gc ragged": "1.5B full 16x8x1024 gc",
 }
-PHASES = ("lm_head", "prompt", "optimizer", "forward", "update")  # innermost first: a kernel counts in the first
+PHASES = ("lm_head", "optimizer", "forward", "update")  # innermost first: a kernel counts in the first
 
 
 def gpu_phases(trace):
@@ -57,7 +57,7 @@ def gpu_phases(trace):
               and e.get("name") in PHASES]
     launch = {e["args"]["correlation"]: e["ts"] for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")
               and "correlation" in e.get("args", {})}
-    out, busy = dict.fromkeys(("prompt", "forward", "lm_head", "backward", "optimizer", "comm", "idle"), 0.0), []
+    out, busy = dict.fromkeys(("forward", "lm_head", "backward", "optimizer", "comm", "idle"), 0.0), []
     by_kernel = collections.Counter()
     for k in (e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
         t = launch.get(k.get("args", {}).get("correlation"))
@@ -96,7 +96,6 @@ def run(args):
     import checkpoint
     import grpo
     import kernel
-    import kv_reuse
     import logprobs
     import rollout
     checkpoint.save_checkpoint = lambda *a, **k: None
@@ -122,18 +121,8 @@ def run(args):
                         G=buf["group_size"])
         return out
 
-    def load_model(*a, **k):  # the prompt pass: the trunk called with kv_reuse's capturing cache
+    def load_model(*a, **k):
         seen["model"] = model = load_fn(*a, **k)
-        trunk, fwd = model.model, model.model.forward
-
-        @functools.wraps(fwd)  # (kv_reuse.cache_arg reads the trunk's signature)
-        def forward(*fa, **fk):
-            cache = fk.get("cache", fk.get("past_key_values"))
-            if cache is not None and isinstance(getattr(cache, "layers", [None])[0], kv_reuse.CaptureLayer):
-                with record_function("prompt"):
-                    return fwd(*fa, **fk)
-            return fwd(*fa, **fk)
-        trunk.forward = forward
         return model
     sample_fn, load_fn = grpo.sample_step, checkpoint.load_model
     grpo.sample_step, checkpoint.load_model = sample_step, load_model

@@ -51,11 +51,10 @@ def shard_model(model, dt, dev, root_methods=()):
     weight stays one parameter). The float32 weights, gradients and AdamW moments are sharded over
     the ranks; forward and backward run in dt on gathered weights; gradients are reduce-scattered in
     float32 as a plain SUM (the loss weights already hold the global normalizers).
-    A unit stays gathered until the mini-batch's backward ends (batching.backward reshards): the
-    prompt-once forward (kv_reuse.py) runs each layer twice, prompt then completions, and the
-    prompt's backward comes after the completions' post-backward hook, which would have freed the
-    weights it reads. root_methods {name: fn(model, *args)}: each becomes a forward method of the
-    root, so it runs on gathered weights (the fused loss reads the LM head's weight itself)."""
+    A unit stays gathered until the mini-batch's backward ends (batching.backward reshards): one
+    gather per mini-batch, not one per micro-batch and again in its backward. root_methods
+    {name: fn(model, *args)}: each becomes a forward method of the root, so it runs on gathered
+    weights (the fused loss reads the LM head's weight itself)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (MixedPrecisionPolicy, fully_shard,
                                         register_fsdp_forward_method)

@@ -1,148 +1,185 @@
 """
-Prompt KV reuse for GRPO: a group's prompt runs once, with gradients, its keys and values are
-repeated G times, and only the G completions run on top of them. The caller applies lm_head to
-completion_hidden's output (logprobs.py); rollout.py samples the completions.
+The prompt once: the training forward runs each group's prompt once and its G completions on top
+of it, packed into one sequence of real tokens (no padding). A micro-batch of groups is one row:
 
-    full path:   B*G*(P+C) tokens through the trunk (every completion re-reads its prompt)
-    reuse path:  B*(P-1) + B*G*C tokens (the prefill once, then the completions attend to it)
+    [prompt_0[:-1] | p_0 c_00[:-1] | p_0 c_01[:-1] | ... | prompt_1[:-1] | p_1 c_10[:-1] | ...]
 
-The prefill keeps its graph: the loss reaches the prompt positions only through their K/V. Gradient
-checkpointing re-runs each layer in backward, so the caches never append (CaptureLayer, PrefixLayer)
-and a recompute sees the same tensors. Left out: sliding-window and hybrid models (full path only).
+where p_b is prompt b's last token: its hidden state predicts a completion's first token, so each
+completion segment starts with it. Positions restart at len(prompt_b) - 1 in every segment, and a
+token sees key k iff k is at or before it, in its group, and in the prompt or in its own segment:
+
+    allowed(q, k) = k <= q  and  doc[k] == doc[q]  and  (seg[k] == PROMPT or seg[k] == seg[q])
+
+Every completion then sees exactly what it saw when it was sampled, and the loss reaches the prompt
+through the attention like any other token: no K/V copies, no cache.
+
+    padded:  B*G*(P + C) slots (every completion re-reads its prompt, rows padded to the longest)
+    packed:  sum over groups of (p - 1) + the completions' real lengths
+
+On a GPU the mask is a FlexAttention BlockMask (the blocks no query sees are skipped); elsewhere a
+dense (1, 1, T, T) bool mask through SDPA (FlexAttention has no CPU backward). Left out:
+sliding-window and hybrid models, which take the padded full path (what HF runs).
 """
 import contextlib
 import functools
-import inspect
 import sys
 import warnings
 
 import torch
-from torch.nn.attention.bias import causal_lower_right
-from transformers.cache_utils import Cache, DynamicLayer
-from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from transformers import AttentionInterface
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # full-attention decoders we have checked
+PROMPT = -1  # seg of a prompt token
+PAD_MULTIPLE = 128  # a GPU row is padded to FlexAttention's block size (pads see only pads)
 
 
-# caches that are idempotent under gradient-checkpoint recompute -----------------------------------
-class CaptureLayer(DynamicLayer):
-    """Prefill cache layer: keeps the first K/V it sees (with their graph) and never grows. A
-    checkpoint recompute calls update() again; its tensors go to the recomputed attention only."""
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.keys, self.values, self.is_initialized = key_states, value_states, True
-            self.dtype, self.device = key_states.dtype, key_states.device
-        return key_states, value_states
-
-    def get_seq_length(self):
-        return 0  # the prefill attends only to itself
-
-
-class PrefixLayer(DynamicLayer):
-    """Completion-pass cache layer: a read-only prefix (B, kvh, P', D) shared by G consecutive rows.
-    update() returns cat(prefix repeated G times, new) along the sequence and stores nothing."""
-
-    def __init__(self, keys, values, group_size):
-        super().__init__()
-        self.keys, self.values, self.group_size = keys, values, group_size
-        self.is_initialized, self.dtype, self.device = True, keys.dtype, keys.device
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return self._cat(self.keys, key_states), self._cat(self.values, value_states)
-
-    def _cat(self, prefix, new):
-        B, kvh, Pp, D = prefix.shape
-        G, C = self.group_size, new.shape[-2]
-        # One copy: (B, 1, kvh, P', D) broadcast ++ (B, G, kvh, C, D) -> (B, G, kvh, P'+C, D).
-        # The expand's backward sums the G gradients into the prefix: dK = sum_g dK^(g).
-        out = torch.cat([prefix[:, None].expand(B, G, kvh, Pp, D), new.view(B, G, kvh, C, D)], -2)
-        return out.view(B * G, kvh, Pp + C, D)
-
-
-class LowerRightCausal(torch.Tensor):
-    """A 4D stand-in for the (B*G, 1, C, P'+C) mask when no prompt is padded. HF hands a 4D mask to
-    the attention function as it is, and there (lower_right_sdpa, or SDPA itself) it becomes torch's
-    lower-right CausalBias: query t sees keys <= P'+t, which flash attention does natively, with no
-    mask in memory. Right-padded completions need no mask: padding keys all come after real ones."""
-
-    @staticmethod
-    def __new__(cls, shape, device):
-        empty = torch.zeros((), dtype=torch.bool, device=device).expand(shape)
-        return torch.Tensor._make_subclass(cls, empty)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            q, k = args[0], args[1]
-            kwargs.pop("is_causal", None)
-            kwargs["attn_mask"] = causal_lower_right(q.shape[-2], k.shape[-2])
-            return func(*args[:3], **kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+# the packed layout ------------------------------------------------------------------------------
+def pack_layout(p_len, c_len, P, C, G, pad_to=1):
+    """Host index tensors of the packed row of B groups: p_len (B,) prompt lengths, c_len (B*G,)
+    completion lengths, P and C the padded widths. src indexes cat(prompt_ids.flatten(),
+    completion_ids.flatten()); pos, doc, seg per token; out: the tokens whose hidden states predict
+    the completion tokens, in completion_mask's row-major order. Pads: doc -1, seg -2."""
+    B = len(p_len)
+    src, pos, doc, seg, out = [], [], [], [], []
+    t = 0  # tokens so far
+    for b, p in enumerate(p_len):
+        last = b * P + P - 1  # the prompt's last token in the flat prompt ids (left-padded)
+        src.append(torch.arange(last - p + 1, last))  # prompt[:-1]
+        pos.append(torch.arange(p - 1))
+        doc.append(torch.full((p - 1,), b))
+        seg.append(torch.full((p - 1,), PROMPT))
+        t += p - 1
+        for r in range(b * G, (b + 1) * G):
+            c, first = c_len[r], B * P + r * C  # completion r's first token in the flat ids
+            if c == 0:
+                continue
+            src.append(torch.cat([torch.tensor([last]), torch.arange(first, first + c - 1)]))
+            pos.append(torch.arange(p - 1, p - 1 + c))
+            doc.append(torch.full((c,), b))
+            seg.append(torch.full((c,), r))
+            out.append(torch.arange(t, t + c))
+            t += c
+    n_pad = -t % pad_to
+    src.append(torch.zeros(n_pad, dtype=torch.long))  # (any token: a pad's output is never read)
+    pos.append(torch.zeros(n_pad, dtype=torch.long))
+    doc.append(torch.full((n_pad,), -1))
+    seg.append(torch.full((n_pad,), -2))
+    cat = lambda xs: torch.cat(xs).long()
+    return cat(src), cat(pos), cat(doc), cat(seg), cat(out)
 
 
-def lower_right_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+def packed_mask(doc, seg):
+    """the attention mask of a packed row: a BlockMask on a GPU, else (1, 1, T, T) bool"""
+    def allowed(b, h, q, k):
+        return (k <= q) & (doc[k] == doc[q]) & ((seg[k] == PROMPT) | (seg[k] == seg[q]))
+    T = len(doc)
+    if doc.is_cuda:
+        return create_block_mask(allowed, None, None, T, T, device=doc.device, _compile=True)
+    q, k = torch.arange(T, device=doc.device)[:, None], torch.arange(T, device=doc.device)[None]
+    return allowed(None, None, q, k)[None, None]
+
+
+@functools.cache
+def compiled_flex():
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      **kwargs):
-    """transformers' "sdpa" attention, except under a LowerRightCausal mask: there the K/V heads go
-    to SDPA as they are (enable_gqa), where HF's sdpa would repeat every K/V h/kvh times whenever a
-    mask is given (and sum h/kvh gradients in backward). The mask's type picks the branch, not a
-    context manager, because a checkpoint recompute runs after completion_hidden has returned."""
-    if not isinstance(attention_mask, LowerRightCausal):
-        # what "sdpa" is without us: a local override found at install, else the library's, now
-        sdpa = HF_SDPA[0] or type(ALL_ATTENTION_FUNCTIONS)._global_mapping["sdpa"]
-        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                    **kwargs)
+    """HF attention "nanogrpo_packed": (1, h, T, D) queries over (1, kvh, T, D) keys and values,
+    under a packed mask; GQA inside the kernel (K/V heads are not repeated)"""
     if torch.is_autocast_enabled(query.device.type):
-        # CausalBias runs SDPA's kernels below autocast, which would have cast q/k/v to one dtype.
-        # Under autocast with float32 weights RoPE leaves q/k in float32 and v in bf16: cast here.
+        # float32 weights under autocast: RoPE leaves q/k in float32 and v in bf16. One dtype here.
         dt = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dt), key.to(dt), value.to(dt)
-    # (N, h, C, D) queries over (N, kvh, P'+C, D) keys: query t sees keys <= P'+t
-    mask, gqa = causal_lower_right(query.shape[-2], key.shape[-2]), query.shape[1] != key.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous(), None  # (N, C, h, D), as HF's attention returns it
+    gqa = query.shape[1] != key.shape[1]
+    if isinstance(attention_mask, BlockMask):
+        out = compiled_flex()(query, key, value, block_mask=attention_mask, scale=scaling,
+                              enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                             dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None  # (1, T, h, D), as HF's attention returns it
 
 
-HF_SDPA = []  # [the local "sdpa" override that use_lower_right_sdpa found, or None]
-
-
-def use_lower_right_sdpa():
-    """Route transformers' "sdpa" through lower_right_sdpa (idempotent)."""
-    if not HF_SDPA:
-        HF_SDPA.append(ALL_ATTENTION_FUNCTIONS._local_mapping.get("sdpa"))
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = lower_right_sdpa  # the shared instance's local mapping
+AttentionInterface.register("nanogrpo_packed", packed_attention)
 
 
 @contextlib.contextmanager
-def cache_through_checkpoint(trunk):
-    """Let our caches into checkpointed decoder layers: transformers' checkpointing wrapper drops
-    a layer's cache argument unless the layer has `_can_checkpoint_with_cache`, set for the call."""
-    layers = [m for m in trunk.layers if isinstance(m, GradientCheckpointingLayer)]
-    for layer in layers:
-        if layer.gradient_checkpointing and layer.training and torch.is_grad_enabled():
-            checkpoint_fn = getattr(layer, "_gradient_checkpointing_func", None)
-            kw = getattr(checkpoint_fn, "keywords", None) or {}
-            if kw.get("use_reentrant", True) is not False:
-                # Reentrant checkpointing runs the layer under no_grad and backprops only into
-                # positional args: the prefix K/V (reached through the cache) would get no gradient.
-                raise ValueError("kv_reuse needs non-reentrant gradient checkpointing "
-                                 "(use_reentrant=False); enable it with "
-                                 "kv_reuse.checkpointing_enable(model)")
-    saved = [layer.__dict__.get("_can_checkpoint_with_cache") for layer in layers]
-    for layer in layers:
-        layer._can_checkpoint_with_cache = True
+def using_packed_attention(model):
+    """inside, the model's attention is "nanogrpo_packed" (HF reads it per call)"""
+    impl, model.config._attn_implementation = model.config._attn_implementation, "nanogrpo_packed"
     try:
         yield
     finally:
-        for layer, v in zip(layers, saved):
-            if v is None:
-                del layer._can_checkpoint_with_cache  # back to the class default
-            else:
-                layer._can_checkpoint_with_cache = v
+        model.config._attn_implementation = impl
+
+
+def micro_batches(prompt_mask, completion_mask, group_size, micro_batch_tokens, reuse=True):
+    """Split the B groups into runs [b0, b1) of whole groups within micro_batch_tokens (a lone group
+    over it gets its own). Packed (reuse), a group costs its real tokens: p - 1 + its completions'
+    lengths; padded, a run of n groups costs n*G*(P + C) at its longest prompt and completion."""
+    G = group_size
+    p_len = prompt_mask.sum(1).tolist()  # (B,)
+    c_rows = completion_mask.sum(1).view(-1, G)  # (B, G)
+    c_sum, c_max = c_rows.sum(1).tolist(), c_rows.amax(1).tolist()
+
+    def cost(b0, b1):
+        if reuse:
+            return sum(p_len[b] - 1 + c_sum[b] for b in range(b0, b1))
+        return (b1 - b0) * G * (max(p_len[b0:b1]) + max(c_max[b0:b1]))
+    out, b0 = [], 0
+    for b in range(1, len(p_len)):
+        if cost(b0, b + 1) > micro_batch_tokens:
+            out.append((b0, b))
+            b0 = b
+    out.append((b0, len(p_len)))
+    return out
+
+
+@contextlib.contextmanager
+def own_checkpoint(layer):
+    """inside, HF's checkpointing of the layer is off (packed_trunk checkpoints it itself)"""
+    on = getattr(layer, "gradient_checkpointing", False)
+    layer.gradient_checkpointing = False
+    try:
+        yield on
+    finally:
+        layer.gradient_checkpointing = on
+
+
+def packed_trunk(model, ids, pos, mask):
+    """The decoder over one packed row: embeddings, every layer under the packed attention, the
+    final norm -> (1, T, H). The layers are called here, each checkpointed here when the model
+    checkpoints: a recompute in backward then runs under the packed attention again."""
+    trunk = model.model
+    h = trunk.embed_tokens(ids)  # (1, T, H)
+    rope = trunk.rotary_emb(h, pos)  # (cos, sin), each (1, T, D)
+    grad = torch.is_grad_enabled()
+    for layer in trunk.layers:
+        def run(h, layer=layer):
+            with using_packed_attention(model), own_checkpoint(layer):
+                out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+            return out[0] if isinstance(out, tuple) else out
+        if getattr(layer, "gradient_checkpointing", False) and layer.training and grad:
+            h = torch.utils.checkpoint.checkpoint(run, h, use_reentrant=False)
+        else:
+            h = run(h)
+    return trunk.norm(h)
+
+
+def token_slots(prompt_mask, completion_mask, group_size, packed):
+    """(real tokens, token slots) of one forward, 0-dim device tensors (no host sync): packed, the
+    real ones rounded up to PAD_MULTIPLE on a GPU; padded, every row's P + C - 1 columns"""
+    B, G = prompt_mask.shape[0], group_size
+    if packed:
+        real = prompt_mask.sum() - B + completion_mask.sum()
+        m = PAD_MULTIPLE if prompt_mask.is_cuda else 1
+        return real, (real + m - 1) // m * m
+    real = (prompt_mask.sum(1).repeat_interleave(G) + completion_mask.sum(1) - 1).sum()
+    return real, real.new_tensor(B * G * (prompt_mask.shape[1] + completion_mask.shape[1] - 1))
 
 
 @functools.cache
@@ -154,9 +191,9 @@ def compiled(fn):
 @contextlib.contextmanager
 def compiled_pieces(model):
     """The training pass's small ops fused by torch.compile: every RMSNorm, MLP and RoPE. Pieces,
-    not whole layers: the cache update and attention break a layer's graph, and a checkpoint's
-    recompute may then pick another compiled variant than its forward did (a CheckpointError); a
-    pure piece replays its graph. Set on the instances (RoPE: its module) for the update only."""
+    not whole layers: a checkpoint's recompute of a whole compiled layer may pick another compiled
+    variant than its forward did (a CheckpointError); a pure piece replays its graph. Set on the
+    instances (RoPE: its module) for the update only."""
     if reuse_unsupported(model):  # a model we have not checked: its update stays eager
         yield
         return
@@ -178,7 +215,7 @@ def compiled_pieces(model):
 
 
 def checkpointing_enable(model, use_reentrant=False):
-    """Gradient checkpointing, non-reentrant by default: the kind the reuse path needs. Newer
+    """Gradient checkpointing, non-reentrant by default (torch's advice). Newer
     transformers renamed gradient_checkpointing_enable to activation_checkpointing_enable."""
     enable = getattr(model, "activation_checkpointing_enable", None)
     enable = enable or model.gradient_checkpointing_enable
@@ -186,12 +223,6 @@ def checkpointing_enable(model, use_reentrant=False):
 
 
 # the training / scoring forward: its helpers, then completion_hidden ------------------------------
-def cache_arg(model, cache):
-    """{name: cache} for model's forward: newer transformers call `past_key_values` `cache`."""
-    params = inspect.signature(model.forward).parameters
-    return {"cache" if "cache" in params else "past_key_values": cache}
-
-
 def positions(mask):
     """Position ids for a padded 2D mask, as HF generate makes them: real token i gets i-1."""
     pos = mask.long().cumsum(-1) - 1
@@ -241,41 +272,35 @@ def check_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, group
 
 
 def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size,
-                      reuse=True):
-    """Final-norm hidden states (B*G, C, H); row t predicts completion token t (row 0 comes from the
-    prompt's last position). prompt_* (B, P) left-padded; completion_* (B*G, C) right-padded."""
-    check_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
-    prompt_ids, prompt_mask = trim_left_padding(prompt_ids, prompt_mask.long())
-    completion_mask = completion_mask.long()
+                      reuse=True, lengths=None):
+    """Final-norm hidden states (N, H) of the N completion tokens (completion_mask's ones,
+    row-major), each the state that predicts its token. prompt_* (B, P) left-padded;
+    completion_* (B*G, C) right-padded. reuse: the packed prompt-once row; else the padded full
+    path, every row [prompt, completion[:-1]]. lengths: the prompts' and completions' lengths as
+    host lists, from a caller that has them and vouches for the padding (else the inputs are
+    checked and measured here: host reads)."""
+    if lengths is None:
+        check_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
     trunk, G = model.model, group_size
-    (B, P), C = prompt_ids.shape, completion_ids.shape[1]
     if reuse and (why := reuse_unsupported(model)):
         warnings.warn(f"kv_reuse: {why}; using the full-sequence path")
         reuse = False
-    if not reuse or P == 1:
-        # the full path: every row is [prompt, completion[:-1]], (B*G, P+C-1) tokens
+    if not reuse:  # (B*G, P+C-1) tokens
+        prompt_ids, prompt_mask = trim_left_padding(prompt_ids, prompt_mask.long())
+        P, completion_mask = prompt_ids.shape[1], completion_mask.long()
         ids = torch.cat([prompt_ids.repeat_interleave(G, 0), completion_ids[:, :-1]], dim=1)
         mask = torch.cat([prompt_mask.repeat_interleave(G, 0), completion_mask[:, :-1]], dim=1)
         out = trunk(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
                     use_cache=False)
-        return out.last_hidden_state[:, P - 1:]  # (B*G, C, H)
+        return out.last_hidden_state[:, P - 1:][completion_mask.bool()]  # (N, H)
 
-    pos = positions(prompt_mask)  # (B, P)
-    with cache_through_checkpoint(trunk):
-        # 1) Prefill prompt[:, :-1] once per group; CaptureLayer keeps each layer's K/V and graph.
-        capture = Cache(layers=[CaptureLayer() for _ in trunk.layers])
-        trunk(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
-              position_ids=pos[:, :-1], **cache_arg(trunk, capture), use_cache=False)
-        prefix = Cache(layers=[PrefixLayer(l.keys, l.values, G) for l in capture.layers])
-        # 2) The completion pass: [last prompt token, completion[:-1]] (B*G, C) on the prefix.
-        ids = torch.cat([prompt_ids[:, -1:].repeat_interleave(G, 0), completion_ids[:, :-1]], 1)
-        mask = torch.cat([prompt_mask.repeat_interleave(G, 0), completion_mask[:, :-1]], 1)
-        # the completion rows' positions continue their prompt's
-        pos_c = pos[:, -1:].repeat_interleave(G, 0) + torch.arange(C, device=pos.device)
-        if C > 1 and model.config._attn_implementation == "sdpa" and bool(prompt_mask.all()):
-            # No prompt is padded: flash attention, no mask in memory, K/V heads not repeated.
-            mask = LowerRightCausal((B * G, 1, C, P - 1 + C), ids.device)
-            use_lower_right_sdpa()
-        out = trunk(input_ids=ids, attention_mask=mask, position_ids=pos_c,
-                    **cache_arg(trunk, prefix), use_cache=False)
-    return out.last_hidden_state  # (B*G, C, H)
+    (B, P), C = prompt_ids.shape, completion_ids.shape[1]
+    if lengths is None:
+        lens = torch.cat([prompt_mask.long().sum(1), completion_mask.long().sum(1)]).tolist()
+        lengths = lens[:B], lens[B:]
+    pad_to = PAD_MULTIPLE if prompt_ids.is_cuda else 1
+    src, pos, doc, seg, out = (x.to(prompt_ids.device, non_blocking=True)
+                               for x in pack_layout(*lengths, P, C, G, pad_to))
+    ids = torch.cat([prompt_ids.flatten(), completion_ids.flatten()])[src]  # (T,)
+    h = packed_trunk(model, ids[None], pos[None], packed_mask(doc, seg))  # (1, T, H)
+    return h[0, out]  # (N, H)

@@ -9,6 +9,7 @@ paged K/V (a group's rows start together, so a dense cache wastes nothing until 
 compaction handles that) and custom decode GEMMs (BENCHMARKS.md: "Tried and not kept")."""
 import contextlib
 import functools
+import inspect
 import sys
 import warnings
 import weakref
@@ -23,7 +24,7 @@ from transformers.generation import logits_process
 
 import decode_kernels
 from decode_kernels import decode_attention_op, record, sample, sample_triton
-from kv_reuse import cache_arg, positions, reuse_unsupported, trim_left_padding
+from kv_reuse import positions, reuse_unsupported, trim_left_padding
 from lora import effective_weight
 
 CUDA_GRAPH = True  # on CUDA: capture a decode step (forward + sampling) once, replay it per token
@@ -335,6 +336,12 @@ def generate_in_waves(model, prompt_ids, prompt_mask, group_size, max_new_tokens
 
 
 # -- generate_groups: prefill, then decode one token at a time -------------------------------------
+def cache_arg(model, cache):
+    """{name: cache} for model's forward: newer transformers call `past_key_values` `cache`."""
+    params = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
+
+
 def prefill(model, prompt_ids, prompt_mask):
     """the prompts' last logits (B, V), positions (B, P) and per layer K, V (B, kvh, P, D)"""
     pos, cache = positions(prompt_mask), DynamicCache(config=model.config)

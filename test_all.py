@@ -427,14 +427,21 @@ def _kv_logp(model, hidden, completion_ids):
     return torch.log_softmax(logits, -1).gather(-1, completion_ids[..., None])[..., 0]  # (B*G, C)
 
 
-def _kv_loss_and_grads(model, batch, G, reuse):
+def _kv_hidden(model, batch, G, reuse=True):
+    """completion_hidden's (N, H) rows back in (B*G, C, H), zeros at the padding"""
     import kv_reuse
+    h = kv_reuse.completion_hidden(model, *batch, G, reuse=reuse)
+    out = h.new_zeros(*batch[3].shape, h.shape[-1])
+    out[batch[3].bool()] = h
+    return out
+
+
+def _kv_loss_and_grads(model, batch, G, reuse):
     model.zero_grad(set_to_none=True)
-    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
-    hidden = kv_reuse.completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, G, reuse)
-    logp = _kv_logp(model, hidden, completion_ids)
+    completion_ids, completion_mask = batch[2], batch[3]
+    logp = _kv_logp(model, _kv_hidden(model, batch, G, reuse), completion_ids)
     w = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1)).to(logp.device)
-    (logp * w * completion_mask).sum().backward()
+    (logp * w * completion_mask).sum().backward()  # (a checkpoint's recompute attends packed again)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return logp.detach() * completion_mask, grads
 
@@ -442,36 +449,36 @@ def _kv_loss_and_grads(model, batch, G, reuse):
 @check
 @_kv_one_thread
 def test_kv_parity_logp_and_grads():
-    """reuse == full path: log-probs to 1e-5, every parameter's grad to 1e-4 relative; GC on (non-reentrant,
-    train mode) and off; llama/qwen2/qwen3, tied/untied, sdpa/eager"""
-    import kv_reuse
+    """packed prompt-once == full padded path: log-probs to 1e-5, every parameter's grad to 1e-4 relative; GC on
+    (non-reentrant and reentrant, train mode) and off; llama/qwen2/qwen3, tied/untied, sdpa/eager"""
+    from transformers import AttentionInterface
     G = 3
     batch = _kv_batch(G=G)
     cases = [("llama", False, "sdpa"), ("qwen2", True, "sdpa"), ("llama", True, "eager"), ("qwen3", False, "sdpa")]
     calls = {"n": 0}
-    update = kv_reuse.PrefixLayer.update
+    packed = AttentionInterface._global_mapping["nanogrpo_packed"]
 
-    def counting_update(self, *a, **k):
+    def counting(*a, **k):
         calls["n"] += 1
-        return update(self, *a, **k)
+        return packed(*a, **k)
 
     for arch, tied, attn in cases:
-        for gc in (False, True):
+        for gc in (False, "non-reentrant", "reentrant"):
             model = _kv_model(arch, tied, attn_implementation=attn)
             if gc:
-                kv_checkpointing_enable(model)
+                kv_checkpointing_enable(model, use_reentrant=gc == "reentrant")
             model.train()
             name = f"{arch} tied={tied} {attn} gc={gc}"
             logp_full, grads_full = _kv_loss_and_grads(model, batch, G, reuse=False)
             calls["n"] = 0
-            kv_reuse.PrefixLayer.update = counting_update
+            AttentionInterface.register("nanogrpo_packed", counting)
             try:
                 logp_reuse, grads_reuse = _kv_loss_and_grads(model, batch, G, reuse=True)
             finally:
-                kv_reuse.PrefixLayer.update = update
-            # GC re-runs every layer in backward: the prefix cache must be read twice, and give the same answer
+                AttentionInterface.register("nanogrpo_packed", packed)
+            # GC re-runs every layer in backward: the recompute attends through the packed mask too
             n_layers = model.config.num_hidden_layers
-            assert calls["n"] == n_layers * (2 if gc else 1), f"{name}: {calls['n']} prefix reads"
+            assert calls["n"] == n_layers * (2 if gc else 1), f"{name}: {calls['n']} packed attention calls"
             err = (logp_reuse - logp_full).abs().max().item()
             assert err <= 1e-5, f"{name}: log-prob max abs error {err:.2e}"
             assert grads_full.keys() == grads_reuse.keys(), f"{name}: different parameters got gradients"
@@ -483,17 +490,16 @@ def test_kv_parity_logp_and_grads():
 @_kv_one_thread
 def test_kv_no_grad_and_inference_mode():
     """old/ref log-probs: the reuse path under no_grad and inference_mode equals the full path"""
-    import kv_reuse
     G = 3
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch = _kv_batch(G=G, seed=2)
     model = _kv_model("qwen2", tied=False)
     kv_checkpointing_enable(model)
     model.train()  # GC active even without grad
     with torch.no_grad():
-        want = _kv_logp(model, kv_reuse.completion_hidden(model, *batch, G, reuse=False), completion_ids)
-        got = _kv_logp(model, kv_reuse.completion_hidden(model, *batch, G, reuse=True), completion_ids)
+        want = _kv_logp(model, _kv_hidden(model, batch, G, reuse=False), completion_ids)
+        got = _kv_logp(model, _kv_hidden(model, batch, G), completion_ids)
     with torch.inference_mode():
-        got_inf = _kv_logp(model, kv_reuse.completion_hidden(model, *batch, G, reuse=True), completion_ids)
+        got_inf = _kv_logp(model, _kv_hidden(model, batch, G), completion_ids)
     for g_, tag in ((got, "no_grad"), (got_inf, "inference_mode")):
         err = ((g_ - want) * completion_mask).abs().max().item()
         assert err <= 1e-5, f"{tag}: log-prob max abs error {err:.2e}"
@@ -502,7 +508,8 @@ def test_kv_no_grad_and_inference_mode():
 @check
 @_kv_one_thread
 def test_kv_edge_shapes():
-    """C=1, all prompts of length 1 (P=1), prompts padded past the longest one (trimmed) with bool masks"""
+    """C=1, all prompts of length 1 (P=1), prompts padded past the longest one (trimmed) with bool masks, no prompt
+    padding, a completion of length 0"""
     import kv_reuse
     G = 3
     model = _kv_model("qwen2", tied=True)
@@ -510,63 +517,62 @@ def test_kv_edge_shapes():
     model.train()
     padded = _kv_batch(P=9, prompt_lens=(5, 2, 3), seed=5)
     padded = (padded[0], padded[1].bool(), padded[2], padded[3].bool())
-    from torch.nn.attention.bias import CausalBias
-    calls = {"n": 0, "kv_heads": set()}
-    dispatch = CausalBias._dispatch  # where SDPA goes with a CausalBias mask
-
-    def counting(query, key, value, attn_mask, *args, **kw):
-        calls["n"] += 1
-        calls["kv_heads"].add(key.shape[1])
-        return dispatch(query, key, value, attn_mask, *args, **kw)
-
-    for name, batch, lower_right in (("C=1", _kv_batch(C=1, completion_lens=[1] * 9, seed=6), 0),
-                                     ("P=1", _kv_batch(P=1, prompt_lens=(1, 1, 1), seed=7), 0),
-                                     ("padded+bool", padded, 0),
-                                     ("no prompt padding", _kv_batch(prompt_lens=(7, 7, 7), seed=8), 2 * 2)):
+    empty = list(_kv_batch(seed=9))
+    empty[3] = empty[3].clone()
+    empty[3][4] = 0  # row 4 has no token (its loss weight is 0 anyway)
+    for name, batch in (("C=1", _kv_batch(C=1, completion_lens=[1] * 9, seed=6)),
+                        ("P=1", _kv_batch(P=1, prompt_lens=(1, 1, 1), seed=7)), ("padded+bool", padded),
+                        ("no prompt padding", _kv_batch(prompt_lens=(7, 7, 7), seed=8)),
+                        ("an empty row", tuple(empty))):
         logp_full, grads_full = _kv_loss_and_grads(model, batch, G, reuse=False)
-        calls["n"] = 0
-        CausalBias._dispatch = staticmethod(counting)
-        try:
-            logp_reuse, grads_reuse = _kv_loss_and_grads(model, batch, G, reuse=True)
-        finally:
-            CausalBias._dispatch = staticmethod(dispatch)
-        # no padding in any prompt: SDPA gets torch's lower-right CausalBias (2 layers, forward + GC recompute), with
-        # the K/V heads as they are (GQA inside SDPA, no repeat_kv)
-        assert calls["n"] == lower_right, f"{name}: {calls['n']} lower-right SDPA calls, want {lower_right}"
-        assert calls["kv_heads"] <= {model.config.num_key_value_heads}, f"{name}: K/V heads {calls['kv_heads']}"
+        logp_reuse, grads_reuse = _kv_loss_and_grads(model, batch, G, reuse=True)
         err = (logp_reuse - logp_full).abs().max().item()
         assert err <= 1e-5, f"{name}: log-prob max abs error {err:.2e}"
         for n in grads_full:
             assert_close(grads_reuse[n], grads_full[n], 1e-4, f"{name} grad {n}")
     h = kv_reuse.completion_hidden(model, *padded, G)
-    assert h.shape == (9, 6, 64), f"hidden shape {tuple(h.shape)}"
+    assert h.shape == (int(padded[3].sum()), 64), f"hidden shape {tuple(h.shape)}"
+
+
+@check
+def test_kv_packed_layout_by_hand():
+    """one prompt of 4 tokens and 3 completions of lengths 3, 7, 2 (padded to 7): the packed row is the prompt's
+    first 3 tokens, then per completion the prompt's last token and its own tokens but the last, positions
+    restarting at 3; the mask lets a completion see the prompt and its own earlier tokens only, and the padded
+    tail of a GPU row sees only itself"""
+    import kv_reuse
+    P, C, G = 4, 7, 3
+    src, pos, doc, seg, out = kv_reuse.pack_layout([4], [3, 7, 2], P, C, G, pad_to=8)
+    first = lambda r: P + r * C  # completion r's first token in cat(prompt_ids.flatten(), completion_ids.flatten())
+    want_src = [0, 1, 2] + [3, first(0), first(0) + 1] + [3] + list(range(first(1), first(1) + 6)) + [3, first(2)]
+    assert src.tolist()[:15] == want_src and len(src) == 16, src.tolist()
+    assert pos.tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8, 9, 3, 4, 0], pos.tolist()
+    assert seg.tolist() == [-1] * 3 + [0] * 3 + [1] * 7 + [2] * 2 + [-2] and doc.tolist()[-1] == -1
+    assert out.tolist() == list(range(3, 15)), out.tolist()  # the states that predict the 12 completion tokens
+    mask = kv_reuse.packed_mask(doc, seg)[0, 0]
+    assert mask[6].tolist() == [True] * 3 + [False] * 3 + [True] + [False] * 9  # completion 1's first token
+    assert mask[14].tolist() == [True] * 3 + [False] * 10 + [True, True, False]  # completion 2's second
+    assert mask[15].tolist() == [False] * 15 + [True]  # the pad
 
 
 @check
 @_kv_one_thread
-def test_kv_sdpa_override_passes_everything_else_on():
-    """kv_reuse routes transformers' "sdpa" through lower_right_sdpa for the life of the process: every call without
-    its mask must still reach the "sdpa" in force, including one registered after kv_reuse installed itself"""
+def test_kv_packed_attention_leaves_the_model_as_it_was():
+    """the packed forward switches the model's attention for its own call only: afterwards (and after an error
+    inside) the config names the attention it had, and "sdpa" is the library's"""
     import kv_reuse
     from transformers import AttentionInterface
     model = _kv_model("llama")
     batch = _kv_batch(prompt_lens=(7, 7, 7), seed=9)
-    kv_reuse.completion_hidden(model, *batch, 3)  # no prompt padding: installs the override
-    assert kv_reuse.ALL_ATTENTION_FUNCTIONS["sdpa"] is kv_reuse.lower_right_sdpa
-    library_sdpa, calls = AttentionInterface._global_mapping["sdpa"], []
-
-    def spy(*args, **kw):
-        calls.append(1)
-        return library_sdpa(*args, **kw)
-
-    AttentionInterface.register("sdpa", spy)
+    kv_reuse.completion_hidden(model, *batch, 3)
+    assert model.config._attn_implementation == "sdpa"
+    assert AttentionInterface()["sdpa"] is AttentionInterface._global_mapping["sdpa"]
     try:
-        full = kv_reuse.completion_hidden(model, *batch, 3, reuse=False)
-    finally:
-        AttentionInterface.register("sdpa", library_sdpa)
-    assert len(calls) == model.config.num_hidden_layers, f"{len(calls)} calls reached the registered sdpa"
-    real = batch[3].bool()  # padding rows of the completions are free to differ
-    assert_close(kv_reuse.completion_hidden(model, *batch, 3)[real], full[real], 1e-5, "reuse vs full, after")
+        with kv_reuse.using_packed_attention(model):
+            raise KeyError("inside")
+    except KeyError:
+        pass
+    assert model.config._attn_implementation == "sdpa"
 
 
 @check
@@ -584,18 +590,14 @@ def test_kv_bad_inputs_and_unsupported_models():
         model, prompt_ids, prompt_mask, completion_ids, completion_mask.flip(1), G), "right-padded")
     assert_raises(ValueError, lambda: kv_reuse.completion_hidden(
         model, prompt_ids, prompt_mask, completion_ids[:-1], completion_mask[:-1], G), "B*G")
-    # reentrant checkpointing would silently drop the prompt K/V gradient: refuse it
-    kv_checkpointing_enable(model, use_reentrant=True)  # (the kind kv_reuse refuses)
-    model.train()
-    assert_raises(ValueError, lambda: kv_reuse.completion_hidden(model, *batch, G), "use_reentrant")
     # a sliding-window model: one warning, then the full path (never wrong numbers)
     sw = _kv_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
     assert "sliding_attention" in sw.config.layer_types
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with torch.no_grad():
-            got = kv_reuse.completion_hidden(sw, *batch, G, reuse=True)
-            want = kv_reuse.completion_hidden(sw, *batch, G, reuse=False)
+            got = _kv_hidden(sw, batch, G, reuse=True)
+            want = _kv_hidden(sw, batch, G, reuse=False)
     assert any("full-sequence path" in str(w.message) for w in caught), "no fallback warning"
     assert torch.equal(got, want)
     # ...and generate_groups samples it with model.generate (its decode attention has no sliding window)
@@ -617,18 +619,17 @@ def test_kv_bad_inputs_and_unsupported_models():
 @_kv_one_thread
 def test_kv_autocast_fp32_weights_matches_bf16():
     """completion_hidden under torch.autocast(bf16) with float32 weights (another trainer's mixed precision): the
-    lower-right path got q/k float32 (RoPE) and v bf16 in SDPA. Its log-probs match a bf16 model's without autocast
+    packed attention gets q/k float32 (RoPE) and v bf16. Its log-probs match a bf16 model's without autocast
     within bf16 noise (measured ~2e-3), and reuse gradients match the full path's under autocast"""
     import copy
-    import kv_reuse
     G = 3
     for arch in ("llama",):
         model = _kv_model(arch)
         bf16 = copy.deepcopy(model).to(torch.bfloat16)
-        for lens in ((7, 1, 4), (7, 7, 7)):  # padded prompts (HF sdpa) and none (lower-right CausalBias)
+        for lens in ((7, 1, 4), (7, 7, 7)):  # padded prompts and none
             batch = _kv_batch(G=G, prompt_lens=lens, seed=11)
             with torch.no_grad():
-                want = _kv_logp(bf16, kv_reuse.completion_hidden(bf16, *batch, G), batch[2]) * batch[3]
+                want = _kv_logp(bf16, _kv_hidden(bf16, batch, G), batch[2]) * batch[3]
             got = {}
             for reuse in (False, True):
                 with torch.autocast(DEVICE, dtype=torch.bfloat16):
@@ -1286,9 +1287,8 @@ def test_batching_group_over_micro_batch_splits_into_parts():
                 if "lora_B" in n:
                     p.add_(0.1 * torch.randn_like(p))
         cases.append((lora_model, True))
-    P, C = 7, 6
     for m, reuse in cases:
-        for budget in (P + 3 * C, 1):  # with reuse: parts of 3 + 1 rows; without, and at 1: one row a part
+        for budget in (12, 1):  # 12 packed: parts of 1-3 completions by their lengths; padded, and 1: a row a part
             outs = []
             for b in (10**6, budget):
                 cfg = _trainer_cfg(num_iterations=2, beta=0.1, micro_batch_tokens=b, kv_reuse=reuse)
@@ -1383,8 +1383,8 @@ def test_batching_bf16_update_step_close_to_float32():
     _, buf0, rewards = _tiny_buffer()
     runs = {}
     for dt in (torch.float32, torch.bfloat16):
-        cfg = _trainer_cfg(dtype=str(dt).split(".")[1], kv_reuse=True, micro_batch_tokens=40, num_iterations=2,
-                           beta=0.1, lr=1e-2)  # 40 tokens: one group (7 + 4 x 6) a micro-batch
+        cfg = _trainer_cfg(dtype=str(dt).split(".")[1], kv_reuse=True, micro_batch_tokens=25, num_iterations=2,
+                           beta=0.1, lr=1e-2)  # 25 tokens: one group a micro-batch (packed: 25, 20, 16)
         policy = checkpoint.load_model(_tiny_model_dir(), torch.device("cpu"))  # float32, as grpo.run loads it
         ref = copy.deepcopy(policy)
         torch.manual_seed(2)
@@ -1819,8 +1819,9 @@ def test_batching_micro_batches_keep_groups_within_budget():
     prompt_mask = (torch.arange(P) >= P - torch.tensor([3, 5, 2])[:, None]).long()  # prompt lengths 3, 5, 2
     completion_mask = (torch.arange(C) < torch.tensor([4, 1, 1, 1, 2, 0])[:, None]).long()  # group maxima 4, 1, 2
     mb = lambda budget, reuse=True: batching.micro_batches(prompt_mask, completion_mask, G, budget, reuse)
-    assert mb(26) == [(0, 2), (2, 3)], mb(26)  # groups 0-1 cost 2 * (5 + 2*4) = 26
-    assert mb(25) == [(0, 1), (1, 3)], mb(25)
+    # packed, a group costs its real tokens: the prompt less its last token, then its completions
+    assert mb(13) == [(0, 2), (2, 3)], mb(13)  # groups 0-1 cost (3 - 1 + 4 + 1) + (5 - 1 + 1 + 1) = 13
+    assert mb(12) == [(0, 1), (1, 3)], mb(12)  # groups 1-2: 6 + (2 - 1 + 2 + 0) = 9
     assert mb(1) == [(0, 1), (1, 2), (2, 3)]  # a group over budget still runs, alone
     assert mb(26, reuse=False) == [(0, 1), (1, 2), (2, 3)]  # without reuse a group costs G * (P + C)
 
@@ -3214,7 +3215,7 @@ def test_bench_step_phases_from_a_trace():
     import tempfile
     import bench_step
     ev = [dict(cat="user_annotation", name=n, ts=a, dur=b - a) for n, a, b in (  # (us)
-        ("update", 0, 100), ("forward", 0, 40), ("prompt", 0, 10), ("lm_head", 30, 40), ("optimizer", 80, 95),
+        ("update", 0, 100), ("forward", 0, 40), ("lm_head", 30, 40), ("optimizer", 80, 95),
         ("update", 200, 210), ("update", 0, 100))]  # (the last: the first range again, as from a second thread)
     for c, (t, start, dur) in enumerate(((5, 6, 4), (20, 21, 10), (35, 28, 6), (50, 51, 20), (90, 91, 3),
                                          (150, 151, 50), (205, 205, 2))):  # kernels 1 and 2 overlap by 3 us
@@ -3224,7 +3225,7 @@ def test_bench_step_phases_from_a_trace():
     path = os.path.join(tempfile.mkdtemp(prefix="nanogrpo_trace_"), "trace.json")
     json.dump(dict(traceEvents=ev), open(path, "w"))
     phases, wall, top = bench_step.gpu_phases(path)
-    want = dict(prompt=4, forward=10, lm_head=6, backward=2, comm=20, optimizer=3, idle=110 - (4 + 13 + 20 + 3 + 2))
+    want = dict(forward=4 + 10, lm_head=6, backward=2, comm=20, optimizer=3, idle=110 - (4 + 13 + 20 + 3 + 2))
     assert abs(wall - 110e-6) < 1e-12 and all(abs(phases[k] - v / 1e6) < 1e-12 for k, v in want.items()), (
         phases, wall)
     assert [n for n, _ in top] == ["ncclDevKernel_ReduceScatter", "k1", "k2", "k0", "k4", "k6"], top  # (not k5)
