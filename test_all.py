@@ -1813,6 +1813,23 @@ def test_batching_loss_type_weights_match_trl():
 
 
 @check
+def test_batching_padding_frac_counts_the_update_slots():
+    """update_step logs padding_frac, the share of the update's token slots that held padding: 0 when packed (on
+    the CPU a row is not rounded up), and 1 - real / (B*G*(P + C - 1)) per pass on the padded full path"""
+    import batching
+    model, buf0, rewards = _tiny_buffer()
+    for reuse in (True, False):
+        cfg = _trainer_cfg(kv_reuse=reuse, micro_batch_tokens=10**6)  # one pass
+        buf = dict(buf0)
+        steps, _ = batching.prepare_buffer(model, None, buf, rewards, cfg)
+        stats = batching.update_step(model, torch.optim.SGD(model.parameters(), lr=0.0), buf, steps[0], cfg)
+        p, c = buf["prompt_mask"].sum(1).repeat_interleave(4), buf["completion_mask"].sum(1)
+        real, slots = int((p + c - 1).sum()), 12 * (7 + int(c.max()) - 1)  # 3 groups of 4, P = 7
+        want = 0.0 if reuse else 1 - real / slots
+        assert abs(stats["padding_frac"] - want) < 1e-9 and (reuse or want > 0.1), (reuse, stats["padding_frac"], want)
+
+
+@check
 def test_batching_micro_batches_keep_groups_within_budget():
     import batching
     P, C, G = 5, 4, 2
