@@ -242,7 +242,7 @@ def oom_names_knob(cfg, what):
     except torch.cuda.OutOfMemoryError as e:
         raise torch.cuda.OutOfMemoryError(
             f"out of GPU memory {what}: lower --micro_batch_tokens (now {cfg.micro_batch_tokens}; "
-            f"one group needs about P + G*C tokens, group_size={cfg.group_size}, "
+            f"one group needs up to P + G*C tokens, group_size={cfg.group_size}, "
             f"max_completion_len={cfg.max_completion_len}) or set --gradient_checkpointing=True"
         ) from e
 
@@ -453,7 +453,7 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
                          "ratio_dev_max"), math.nan)
     for k, v in zip(keys, values):
         out[k] = v / max(w_sum, 1e-12) if stat_op(k) == "sum" else v
-    pad = 1 - real / slots if slots else 0.0  # the share of the token slots that held padding
+    pad = 1 - real / slots if slots else 0.0  # padding's share of the passes' slots (not FSDP2's)
     return dict(out, loss=loss, grad_norm=grad_norm, micro_batches=passes, padding_frac=pad)
 
 

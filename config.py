@@ -64,10 +64,10 @@ vllm_importance_sampling_clip_max = 3.0  # truncate: clamp to [clip_min, clip_ma
 vllm_importance_sampling_clip_min = 0.0  # 0 = no lower bound
 # speed and memory
 logprob_impl = "auto"  # fused | chunked | naive | auto (fused on the GPU, chunked on the CPU)
-kv_reuse = True  # forward each group's prompt once and reuse its K/V for the G completions
+kv_reuse = True  # the update packs each group's prompt once with its G completions
 gradient_checkpointing = "auto"  # recompute layers in the backward: True | False | auto (if needed)
 compile = True  # GPU, from 128 new tokens: torch.compile the decode and the update's small ops
-micro_batch_tokens = 0  # tokens a micro-batch holds (whole groups of P + G*C); 0 = auto
+micro_batch_tokens = 0  # real tokens a micro-batch holds (whole groups); 0 = auto
 rollout_kv_gib = 0.0  # K/V the rollout holds at once (0 = auto); more groups go in later waves
 device = "auto"  # auto | cuda | cpu | cuda:N
 dtype = "bfloat16"  # float32 | bfloat16 (float16 would need a loss scaler); the masters are float32

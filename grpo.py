@@ -94,8 +94,7 @@ def sample_draw(cfg, step, draw, policy, tokenizer, make_prompts, reward_fn, eva
     penalties = [overlong_penalty(L, cfg.max_completion_len, cfg.soft_punish_cache,
                                   cfg.overlong_penalty_factor)
                  for L in buf["completion_mask"].sum(1).tolist()]
-    rewards = [total + pen for (total, _, _), pen in zip(scored, penalties)]
-    rewards = torch.tensor(rewards, dtype=torch.float32, device=dev)  # (B*G,)
+    rewards = torch.tensor([t + p for (t, _, _), p in zip(scored, penalties)], device=dev)  # (B*G,)
     flat = (rewards.view(n, G).std(1) <= 1e-6).tolist()  # (B,) groups whose rewards all agree
     return SimpleNamespace(buf=buf, rewards=rewards, flat=flat, scored=scored, penalties=penalties)
 
@@ -187,9 +186,8 @@ def make_optimizer(policy, cfg, dt):
     params = master if master is not None else trainable
     # one fused kernel for the whole step on a GPU; FSDP2's DTensors take the foreach one
     fused = {} if not params[0].is_cuda else {"foreach": True} if sharded else {"fused": True}
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay,
-                            **fused)
-    return opt, master
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99),
+                             weight_decay=cfg.weight_decay, **fused), master
 
 
 def plan_memory(cfg, base, world, dev, dt):
@@ -220,7 +218,7 @@ def load_models(cfg, base, ckpt, dev, dt):
     """the policy (from ckpt on a resume; LoRA: the base from --model, the adapters from ckpt) and
     the reference model for beta > 0 (None otherwise) -> (policy, ref_model)"""
     from batching import logprobs_forward
-    from kv_reuse import checkpointing_enable
+    from kv_reuse import checkpointing_enable, reuse_unsupported
     sharded = world_size() > 1 and cfg.fsdp  # FSDP2 loads on the CPU and shards onto dev
     policy = checkpoint.load_model(base if cfg.lora_r else ckpt or base,
                                    torch.device("cpu") if sharded else dev)
@@ -229,6 +227,9 @@ def load_models(cfg, base, ckpt, dev, dt):
                       lora.targets(cfg.lora_target_modules))
         if ckpt:
             lora.load_adapter(policy, ckpt)
+    if cfg.kv_reuse and reuse_unsupported(policy):  # micro-batches planned as the passes will run
+        print(f"kv_reuse: False ({reuse_unsupported(policy)}: the padded full path)")
+        cfg.kv_reuse = False
     if cfg.gradient_checkpointing:
         checkpointing_enable(policy)
     if sharded:
@@ -374,8 +375,8 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     flat = 0  # steps in a row that sampled no group with reward spread
     for step in pbar:
         rec = train_step(trainer, step)
-        out_of_time = cfg.max_minutes > 0 and time.time() - t_start > cfg.max_minutes * 60
-        out_of_time = rank0_value(out_of_time)  # every rank stops together
+        minutes = (time.time() - t_start) / 60
+        out_of_time = rank0_value(cfg.max_minutes > 0 and minutes > cfg.max_minutes)
         flat = flat + 1 if rec["sampled_frac_reward_zero_std"] == 1.0 else 0  # no gradient
         stuck = cfg.max_flat_steps > 0 and flat >= cfg.max_flat_steps
         last = step == cfg.max_steps or out_of_time or stuck
@@ -449,8 +450,7 @@ def train_step(trainer, step):
                lr=trainer.optimizer.param_groups[0]["lr"], gen_s=t1 - t0, update_s=t2 - t1,
                tokens_per_s=n_tokens / (t2 - t0), peak_gib=peak,
                minutes=(time.time() - trainer.t_start) / 60)
-    # the rewards' log_metric values: each one's mean over the ranks
-    metrics = all_ranks(trainer.reward_count["metrics"])
+    metrics = all_ranks(trainer.reward_count["metrics"])  # the rewards' log_metric values: means
     for k in sorted(set().union(*metrics)):
         if k not in rec:
             rec[k] = statistics.fmean(v for m in metrics for v in m.get(k, ()))

@@ -13,11 +13,11 @@ token sees key k iff k is at or before it, in its group, and in the prompt or in
 Every completion then sees exactly what it saw when it was sampled, and the loss reaches the prompt
 through the attention like any other token: no K/V copies, no cache.
 
-    padded:  B*G*(P + C) slots (every completion re-reads its prompt, rows padded to the longest)
+    padded:  B*G*(P + C - 1) slots (every completion re-reads its prompt; rows padded)
     packed:  sum over groups of (p - 1) + the completions' real lengths
 
-On a GPU the mask is a FlexAttention BlockMask (the blocks no query sees are skipped); elsewhere a
-dense (1, 1, T, T) bool mask through SDPA (FlexAttention has no CPU backward). Left out:
+On a GPU the mask is a FlexAttention BlockMask (the blocks no query sees are skipped); elsewhere
+each group runs SDPA under its own dense bool mask (FlexAttention has no CPU backward). Left out:
 sliding-window and hybrid models, which take the padded full path (what HF runs).
 """
 import contextlib
@@ -27,22 +27,24 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import AttentionInterface
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # full-attention decoders we have checked
 PROMPT = -1  # seg of a prompt token
-PAD_MULTIPLE = 128  # a GPU row is padded to FlexAttention's block size (pads see only pads)
+PAD_DOC, PAD_SEG = -1, -2  # doc and seg of the padding that ends a GPU row (it sees only itself)
+PAD_MULTIPLE = 128  # a GPU row is padded to FlexAttention's block size
 
 
-# the packed layout ------------------------------------------------------------------------------
+# the packed row: its layout, its mask, its attention -------------------------------------------
 def pack_layout(p_len, c_len, P, C, G, pad_to=1):
     """Host index tensors of the packed row of B groups: p_len (B,) prompt lengths, c_len (B*G,)
     completion lengths, P and C the padded widths. src indexes cat(prompt_ids.flatten(),
     completion_ids.flatten()); pos, doc, seg per token; out: the tokens whose hidden states predict
-    the completion tokens, in completion_mask's row-major order. Pads: doc -1, seg -2."""
-    B = len(p_len)
-    src, pos, doc, seg, out = [], [], [], [], []
+    the completion tokens, in completion_mask's row-major order."""
+    B, none = len(p_len), torch.zeros(0, dtype=torch.long)
+    src, pos, doc, seg, out = [none], [none], [none], [none], [none]
     t = 0  # tokens so far
     for b, p in enumerate(p_len):
         last = b * P + P - 1  # the prompt's last token in the flat prompt ids (left-padded)
@@ -64,21 +66,30 @@ def pack_layout(p_len, c_len, P, C, G, pad_to=1):
     n_pad = -t % pad_to
     src.append(torch.zeros(n_pad, dtype=torch.long))  # (any token: a pad's output is never read)
     pos.append(torch.zeros(n_pad, dtype=torch.long))
-    doc.append(torch.full((n_pad,), -1))
-    seg.append(torch.full((n_pad,), -2))
-    cat = lambda xs: torch.cat(xs).long()
+    doc.append(torch.full((n_pad,), PAD_DOC))
+    seg.append(torch.full((n_pad,), PAD_SEG))
+    cat = lambda xs: torch.cat(xs).long()  # noqa: E731
     return cat(src), cat(pos), cat(doc), cat(seg), cat(out)
 
 
+def pad_multiple(device):
+    return PAD_MULTIPLE if device.type == "cuda" else 1
+
+
 def packed_mask(doc, seg):
-    """the attention mask of a packed row: a BlockMask on a GPU, else (1, 1, T, T) bool"""
+    """The mask of a packed row: on a GPU a FlexAttention BlockMask; elsewhere a list of
+    (first token, end, (1, 1, n, n) bool mask) per group, as groups never see each other."""
     def allowed(b, h, q, k):
         return (k <= q) & (doc[k] == doc[q]) & ((seg[k] == PROMPT) | (seg[k] == seg[q]))
     T = len(doc)
     if doc.is_cuda:
         return create_block_mask(allowed, None, None, T, T, device=doc.device, _compile=True)
-    q, k = torch.arange(T, device=doc.device)[:, None], torch.arange(T, device=doc.device)[None]
-    return allowed(None, None, q, k)[None, None]
+    groups, t0 = [], 0
+    for n in torch.unique_consecutive(doc, return_counts=True)[1].tolist():
+        t = torch.arange(t0, t0 + n, device=doc.device)
+        groups.append((t0, t0 + n, allowed(None, None, t[:, None], t[None])[None, None]))
+        t0 += n
+    return groups
 
 
 @functools.cache
@@ -89,18 +100,22 @@ def compiled_flex():
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      **kwargs):
     """HF attention "nanogrpo_packed": (1, h, T, D) queries over (1, kvh, T, D) keys and values,
-    under a packed mask; GQA inside the kernel (K/V heads are not repeated)"""
+    under packed_mask's mask; GQA inside the kernel (K/V heads are not repeated)"""
     if torch.is_autocast_enabled(query.device.type):
         # float32 weights under autocast: RoPE leaves q/k in float32 and v in bf16. One dtype here.
         dt = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dt), key.to(dt), value.to(dt)
     gqa = query.shape[1] != key.shape[1]
     if isinstance(attention_mask, BlockMask):
+        if dropout > 0:
+            raise ValueError("the packed attention has no dropout: set attention_dropout=0")
         out = compiled_flex()(query, key, value, block_mask=attention_mask, scale=scaling,
                               enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                             dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+    else:  # a group at a time: (1, h, n, D) each
+        out = torch.cat([F.scaled_dot_product_attention(
+            query[:, :, t0:t1], key[:, :, t0:t1], value[:, :, t0:t1], attn_mask=mask,
+            dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+            for t0, t1, mask in attention_mask], dim=2)
     return out.transpose(1, 2).contiguous(), None  # (1, T, h, D), as HF's attention returns it
 
 
@@ -117,6 +132,81 @@ def using_packed_attention(model):
         model.config._attn_implementation = impl
 
 
+# the forward -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def hf_checkpointing_off(layer):
+    """inside, HF's checkpointing of the layer is off: packed_trunk checkpoints the call itself"""
+    on = getattr(layer, "gradient_checkpointing", False)
+    layer.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        layer.gradient_checkpointing = on
+
+
+def packed_trunk(model, ids, pos, mask):
+    """The decoder over one packed row: embeddings, every layer under the packed attention, the
+    final norm -> (1, T, H). The layers are called here, each checkpointed here (with HF's
+    checkpoint function and its settings) when the model checkpoints: a recompute in backward then
+    runs under the packed attention again."""
+    trunk = model.model
+    h = trunk.embed_tokens(ids)  # (1, T, H)
+    rope = trunk.rotary_emb(h, pos)  # (cos, sin), each (1, T, D)
+    grad = torch.is_grad_enabled()
+    for layer in trunk.layers:
+        def run(h, layer=layer):
+            with using_packed_attention(model), hf_checkpointing_off(layer):
+                out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+            return out[0] if isinstance(out, tuple) else out
+        checkpoint_fn = getattr(layer, "_gradient_checkpointing_func", None)
+        if getattr(layer, "gradient_checkpointing", False) and layer.training and grad:
+            h = (checkpoint_fn or functools.partial(torch.utils.checkpoint.checkpoint,
+                                                    use_reentrant=False))(run, h)
+        else:
+            h = run(h)
+    return trunk.norm(h)
+
+
+def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size,
+                      reuse=True, lengths=None):
+    """Final-norm hidden states (N, H) of the N completion tokens (completion_mask's ones,
+    row-major), each the state that predicts its token. prompt_* (B, P) left-padded;
+    completion_* (B*G, C) right-padded. reuse: the packed prompt-once row; else the padded full
+    path, every row [prompt, completion[:-1]]. lengths: the prompts' and completions' lengths as
+    host lists, from a caller that measured them on these masks (else the inputs are checked and
+    measured here: host reads)."""
+    if lengths is None:
+        check_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
+    trunk, G = model.model, group_size
+    if reuse and (why := reuse_unsupported(model)):
+        warnings.warn(f"kv_reuse: {why}; using the full-sequence path")
+        reuse = False
+    if not reuse:  # (B*G, P+C-1) tokens
+        prompt_ids, prompt_mask = trim_left_padding(prompt_ids, prompt_mask.long())
+        P, completion_mask = prompt_ids.shape[1], completion_mask.long()
+        ids = torch.cat([prompt_ids.repeat_interleave(G, 0), completion_ids[:, :-1]], dim=1)
+        mask = torch.cat([prompt_mask.repeat_interleave(G, 0), completion_mask[:, :-1]], dim=1)
+        out = trunk(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                    use_cache=False)
+        return out.last_hidden_state[:, P - 1:][completion_mask.bool()]  # (N, H)
+
+    (B, P), C = prompt_ids.shape, completion_ids.shape[1]
+    if lengths is None:
+        lens = torch.cat([prompt_mask.long().sum(1), completion_mask.long().sum(1)]).tolist()
+        lengths = lens[:B], lens[B:]
+    p_len, c_len = lengths
+    if len(p_len) != B or len(c_len) != B * G or max(p_len) > P or max(c_len, default=0) > C:
+        raise ValueError(f"lengths do not fit the inputs: {len(p_len)} prompts of at most "
+                         f"{max(p_len)} for ({B}, {P}); {len(c_len)} completions for "
+                         f"({B * G}, {C})")
+    src, pos, doc, seg, out = (x.to(prompt_ids.device, non_blocking=True) for x in pack_layout(
+        p_len, c_len, P, C, G, pad_multiple(prompt_ids.device)))
+    ids = torch.cat([prompt_ids.flatten(), completion_ids.flatten()])[src]  # (T,)
+    h = packed_trunk(model, ids[None], pos[None], packed_mask(doc, seg))  # (1, T, H)
+    return h[0, out]  # (N, H)
+
+
+# planning the update's micro-batches ------------------------------------------------------------
 def micro_batches(prompt_mask, completion_mask, group_size, micro_batch_tokens, reuse=True):
     """Split the B groups into runs [b0, b1) of whole groups within micro_batch_tokens (a lone group
     over it gets its own). Packed (reuse), a group costs its real tokens: p - 1 + its completions'
@@ -139,92 +229,22 @@ def micro_batches(prompt_mask, completion_mask, group_size, micro_batch_tokens, 
     return out
 
 
-@contextlib.contextmanager
-def own_checkpoint(layer):
-    """inside, HF's checkpointing of the layer is off (packed_trunk checkpoints it itself)"""
-    on = getattr(layer, "gradient_checkpointing", False)
-    layer.gradient_checkpointing = False
-    try:
-        yield on
-    finally:
-        layer.gradient_checkpointing = on
-
-
-def packed_trunk(model, ids, pos, mask):
-    """The decoder over one packed row: embeddings, every layer under the packed attention, the
-    final norm -> (1, T, H). The layers are called here, each checkpointed here when the model
-    checkpoints: a recompute in backward then runs under the packed attention again."""
-    trunk = model.model
-    h = trunk.embed_tokens(ids)  # (1, T, H)
-    rope = trunk.rotary_emb(h, pos)  # (cos, sin), each (1, T, D)
-    grad = torch.is_grad_enabled()
-    for layer in trunk.layers:
-        def run(h, layer=layer):
-            with using_packed_attention(model), own_checkpoint(layer):
-                out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
-            return out[0] if isinstance(out, tuple) else out
-        if getattr(layer, "gradient_checkpointing", False) and layer.training and grad:
-            h = torch.utils.checkpoint.checkpoint(run, h, use_reentrant=False)
-        else:
-            h = run(h)
-    return trunk.norm(h)
-
-
 def token_slots(prompt_mask, completion_mask, group_size, packed):
     """(real tokens, token slots) of one forward, 0-dim device tensors (no host sync): packed, the
-    real ones rounded up to PAD_MULTIPLE on a GPU; padded, every row's P + C - 1 columns"""
+    real ones rounded up to a GPU row's block; padded, every row's P + C - 1 columns"""
     B, G = prompt_mask.shape[0], group_size
     if packed:
         real = prompt_mask.sum() - B + completion_mask.sum()
-        m = PAD_MULTIPLE if prompt_mask.is_cuda else 1
+        m = pad_multiple(prompt_mask.device)
         return real, (real + m - 1) // m * m
     real = (prompt_mask.sum(1).repeat_interleave(G) + completion_mask.sum(1) - 1).sum()
     return real, real.new_tensor(B * G * (prompt_mask.shape[1] + completion_mask.shape[1] - 1))
 
 
-@functools.cache
-def compiled(fn):
-    """fn compiled once; random ops (LoRA's dropout) draw as eager's do, so the steps are equal."""
-    return torch.compile(fn, dynamic=True, options={"fallback_random": True})
-
-
-@contextlib.contextmanager
-def compiled_pieces(model):
-    """The training pass's small ops fused by torch.compile: every RMSNorm, MLP and RoPE. Pieces,
-    not whole layers: a checkpoint's recompute of a whole compiled layer may pick another compiled
-    variant than its forward did (a CheckpointError); a pure piece replays its graph. Set on the
-    instances (RoPE: its module) for the update only."""
-    if reuse_unsupported(model):  # a model we have not checked: its update stays eager
-        yield
-        return
-    mods = [m for m in model.model.modules() if type(m).__name__.endswith(("RMSNorm", "MLP"))]
-    # the attention's module by its class's name (FSDP2's fully_shard subclasses the layers)
-    module = sys.modules[type(model.model.layers[0].self_attn).__module__]
-    rope = getattr(module, "apply_rotary_pos_emb", None)
-    try:
-        for m in mods:
-            m.forward = compiled(type(m).forward).__get__(m)
-        if rope is not None:
-            module.apply_rotary_pos_emb = compiled(rope)
-        yield
-    finally:
-        for m in mods:
-            m.__dict__.pop("forward", None)  # back to the class's
-        if rope is not None:
-            module.apply_rotary_pos_emb = rope
-
-
-def checkpointing_enable(model, use_reentrant=False):
-    """Gradient checkpointing, non-reentrant by default (torch's advice). Newer
-    transformers renamed gradient_checkpointing_enable to activation_checkpointing_enable."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    enable = enable or model.gradient_checkpointing_enable
-    enable({"use_reentrant": use_reentrant})
-
-
-# the training / scoring forward: its helpers, then completion_hidden ------------------------------
+# helpers: which models, positions, input checks, compiled pieces, checkpointing ----------------
 def positions(mask):
-    """Position ids for a padded 2D mask, as HF generate makes them: real token i gets i-1."""
+    """Position ids for a left-padded 2D mask, as HF generate makes them: the k-th real token
+    (from 0) gets k, padding 0."""
     pos = mask.long().cumsum(-1) - 1
     return pos.masked_fill(mask == 0, 0)
 
@@ -271,36 +291,41 @@ def check_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, group
         raise ValueError("completions must be right-padded (mask 1...1 0...0)")
 
 
-def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size,
-                      reuse=True, lengths=None):
-    """Final-norm hidden states (N, H) of the N completion tokens (completion_mask's ones,
-    row-major), each the state that predicts its token. prompt_* (B, P) left-padded;
-    completion_* (B*G, C) right-padded. reuse: the packed prompt-once row; else the padded full
-    path, every row [prompt, completion[:-1]]. lengths: the prompts' and completions' lengths as
-    host lists, from a caller that has them and vouches for the padding (else the inputs are
-    checked and measured here: host reads)."""
-    if lengths is None:
-        check_inputs(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
-    trunk, G = model.model, group_size
-    if reuse and (why := reuse_unsupported(model)):
-        warnings.warn(f"kv_reuse: {why}; using the full-sequence path")
-        reuse = False
-    if not reuse:  # (B*G, P+C-1) tokens
-        prompt_ids, prompt_mask = trim_left_padding(prompt_ids, prompt_mask.long())
-        P, completion_mask = prompt_ids.shape[1], completion_mask.long()
-        ids = torch.cat([prompt_ids.repeat_interleave(G, 0), completion_ids[:, :-1]], dim=1)
-        mask = torch.cat([prompt_mask.repeat_interleave(G, 0), completion_mask[:, :-1]], dim=1)
-        out = trunk(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                    use_cache=False)
-        return out.last_hidden_state[:, P - 1:][completion_mask.bool()]  # (N, H)
+@functools.cache
+def compiled(fn):
+    """fn compiled once; random ops (LoRA's dropout) draw as eager's do, so the steps are equal."""
+    return torch.compile(fn, dynamic=True, options={"fallback_random": True})
 
-    (B, P), C = prompt_ids.shape, completion_ids.shape[1]
-    if lengths is None:
-        lens = torch.cat([prompt_mask.long().sum(1), completion_mask.long().sum(1)]).tolist()
-        lengths = lens[:B], lens[B:]
-    pad_to = PAD_MULTIPLE if prompt_ids.is_cuda else 1
-    src, pos, doc, seg, out = (x.to(prompt_ids.device, non_blocking=True)
-                               for x in pack_layout(*lengths, P, C, G, pad_to))
-    ids = torch.cat([prompt_ids.flatten(), completion_ids.flatten()])[src]  # (T,)
-    h = packed_trunk(model, ids[None], pos[None], packed_mask(doc, seg))  # (1, T, H)
-    return h[0, out]  # (N, H)
+
+@contextlib.contextmanager
+def compiled_pieces(model):
+    """The training pass's small ops fused by torch.compile: every RMSNorm, MLP and RoPE. Pieces,
+    not whole layers: a checkpoint's recompute of a whole compiled layer may pick another compiled
+    variant than its forward did (a CheckpointError); a pure piece replays its graph. Set on the
+    instances (RoPE: its module) for the update only."""
+    if reuse_unsupported(model):  # a model we have not checked: its update stays eager
+        yield
+        return
+    mods = [m for m in model.model.modules() if type(m).__name__.endswith(("RMSNorm", "MLP"))]
+    # the attention's module by its class's name (FSDP2's fully_shard subclasses the layers)
+    module = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    rope = getattr(module, "apply_rotary_pos_emb", None)
+    try:
+        for m in mods:
+            m.forward = compiled(type(m).forward).__get__(m)
+        if rope is not None:
+            module.apply_rotary_pos_emb = compiled(rope)
+        yield
+    finally:
+        for m in mods:
+            m.__dict__.pop("forward", None)  # back to the class's
+        if rope is not None:
+            module.apply_rotary_pos_emb = rope
+
+
+def checkpointing_enable(model, use_reentrant=False):
+    """Gradient checkpointing, non-reentrant by default (torch's advice). Newer
+    transformers renamed gradient_checkpointing_enable to activation_checkpointing_enable."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    enable = enable or model.gradient_checkpointing_enable
+    enable({"use_reentrant": use_reentrant})

@@ -532,14 +532,17 @@ def test_kv_edge_shapes():
             assert_close(grads_reuse[n], grads_full[n], 1e-4, f"{name} grad {n}")
     h = kv_reuse.completion_hidden(model, *padded, G)
     assert h.shape == (int(padded[3].sum()), 64), f"hidden shape {tuple(h.shape)}"
+    for reuse in (True, False):  # no completion token at all: no state, either path
+        h = kv_reuse.completion_hidden(model, *padded[:3], torch.zeros_like(padded[3]), G, reuse=reuse)
+        assert h.shape == (0, 64), (reuse, tuple(h.shape))
 
 
 @check
 def test_kv_packed_layout_by_hand():
     """one prompt of 4 tokens and 3 completions of lengths 3, 7, 2 (padded to 7): the packed row is the prompt's
     first 3 tokens, then per completion the prompt's last token and its own tokens but the last, positions
-    restarting at 3; the mask lets a completion see the prompt and its own earlier tokens only, and the padded
-    tail of a GPU row sees only itself"""
+    restarting at 3; the mask lets a completion see the prompt and its own earlier tokens only; the padded tail
+    of a row (a GPU's) is a group of its own"""
     import kv_reuse
     P, C, G = 4, 7, 3
     src, pos, doc, seg, out = kv_reuse.pack_layout([4], [3, 7, 2], P, C, G, pad_to=8)
@@ -549,10 +552,10 @@ def test_kv_packed_layout_by_hand():
     assert pos.tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8, 9, 3, 4, 0], pos.tolist()
     assert seg.tolist() == [-1] * 3 + [0] * 3 + [1] * 7 + [2] * 2 + [-2] and doc.tolist()[-1] == -1
     assert out.tolist() == list(range(3, 15)), out.tolist()  # the states that predict the 12 completion tokens
-    mask = kv_reuse.packed_mask(doc, seg)[0, 0]
-    assert mask[6].tolist() == [True] * 3 + [False] * 3 + [True] + [False] * 9  # completion 1's first token
-    assert mask[14].tolist() == [True] * 3 + [False] * 10 + [True, True, False]  # completion 2's second
-    assert mask[15].tolist() == [False] * 15 + [True]  # the pad
+    (t0, t1, mask), (p0, p1, pad) = kv_reuse.packed_mask(doc, seg)  # the group, then the pad
+    assert (t0, t1, p0, p1) == (0, 15, 15, 16) and pad.tolist() == [[[[True]]]]
+    assert mask[0, 0, 6].tolist() == [True] * 3 + [False] * 3 + [True] + [False] * 8  # completion 1's first
+    assert mask[0, 0, 14].tolist() == [True] * 3 + [False] * 10 + [True, True]  # completion 2's second
 
 
 @check
@@ -1268,10 +1271,10 @@ def test_batching_grad_same_for_any_micro_batch_split():
 
 @check
 def test_batching_group_over_micro_batch_splits_into_parts():
-    """a group whose P + G*C tokens exceed micro_batch_tokens runs in parts of its own completions (issue 44): the
-    old/ref log-probs and the summed gradient through batching.backward (the trainer's path) equal the unsplit step's,
-    with kv_reuse on and off, gradient checkpointing on, and LoRA adapters (peft: the adapters' gradients); parts of
-    3 + 1 rows (G = 4) and of 1 row"""
+    """a group whose tokens exceed micro_batch_tokens runs in parts of its own completions: the old/ref log-probs and
+    the summed gradient through batching.backward (the trainer's path) equal the unsplit step's, with kv_reuse on
+    and off, gradient checkpointing on, and LoRA adapters (peft: the adapters' gradients); parts of 1-3 rows by
+    their lengths (G = 4) and of 1 row"""
     import batching
     import lora
     from kv_reuse import checkpointing_enable
