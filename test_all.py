@@ -1449,10 +1449,13 @@ def _dist_worker(rank, world, port, tmp, model_dir):
                             timeout=datetime.timedelta(seconds=120))
     try:
         for name, engine in (("dapo", "fsdp"), ("grpo", "fsdp"), ("dapo", "replica"), ("entropy_batch", "fsdp"),
-                             ("dapo_parts", "fsdp")):
+                             ("dapo_parts", "fsdp"), ("grpo", "fsdp_gc")):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             assert model.config.tie_word_embeddings
-            if engine == "fsdp":
+            if engine == "fsdp_gc":  # each layer checkpointed by the packed forward, FSDP2's hooks inside
+                kv_checkpointing_enable(model)
+                model.train()
+            if engine.startswith("fsdp"):
                 nanodist.shard_model(model, torch.float32, torch.device("cpu"),  # as grpo.load_models
                                      {"logprobs_forward": batching.logprobs_forward})
             buf, rewards = _dist_buffer()
@@ -1483,7 +1486,8 @@ def test_batching_ranks_sum_to_one_process():
     the one-process weights; the logged loss and grad_norm are the global ones. Through the replica engine
     (--fsdp=False, dapo): the ranks' own gradients sum to it, and the all-reduced step gives the same weights. And
     top_entropy_quantile with scale_rewards=batch (FSDP2): the entropy threshold and the reward std are the whole
-    batch's, so the sum is still the one-process gradient."""
+    batch's, so the sum is still the one-process gradient. And FSDP2 with gradient checkpointing (grpo): the packed
+    forward's own checkpoint recomputes each sharded layer, its hooks inside, to the same gradient."""
     import socket
     import tempfile
     import torch.multiprocessing as mp
@@ -1501,8 +1505,8 @@ def test_batching_ranks_sum_to_one_process():
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         mp.spawn(_dist_worker, args=(world, port, tmp[world], _tiny_model_dir()), nprocs=world)
-    for loss_type, engines in (("dapo", ("fsdp", "replica")), ("grpo", ("fsdp",)), ("entropy_batch", ("fsdp",)),
-                               ("dapo_parts", ("fsdp",))):
+    for loss_type, engines in (("dapo", ("fsdp", "replica")), ("grpo", ("fsdp", "fsdp_gc")),
+                               ("entropy_batch", ("fsdp",)), ("dapo_parts", ("fsdp",))):
         model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
         buf, rewards = _dist_buffer()
         cfg = _dist_cfg(loss_type)
@@ -1518,7 +1522,7 @@ def test_batching_ranks_sum_to_one_process():
             name = f"{loss_type} {engine} x{world}"
             for r in ranks:
                 for i, g in enumerate(one["grads"]):  # FSDP2: the summed gradient on each rank; a replica: its own
-                    got = r["grads"][i] if engine == "fsdp" else sum(q["grads"][i] for q in ranks)
+                    got = r["grads"][i] if engine.startswith("fsdp") else sum(q["grads"][i] for q in ranks)
                     assert_close(got, g, 1e-5, f"{name} summed grad {i}")
                 for i, w in enumerate(one["weights"]):
                     assert_close(r["weights"][i], w, 1e-5, f"{name} weights {i}")
