@@ -102,7 +102,8 @@ def main():
     cfg = model.config
     dev_name = torch.cuda.get_device_name() if CUDA else "cpu"
     print(f"kv_reuse benchmark on {dev_name}: torch {torch.__version__}, transformers "
-          f"{transformers.__version__}, {'bf16' if CUDA else 'fp32'}, sdpa, GC on (non-reentrant), "
+          f"{transformers.__version__}, {'bf16' if CUDA else 'fp32'}, full: sdpa, reuse: packed "
+          f"({'FlexAttention' if CUDA else 'SDPA a group at a time'}), GC on (non-reentrant), "
           f"loss=logprobs.{LOGP_IMPL}")
     print(f"Qwen2-shaped random model: hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
           f"vocab {cfg.vocab_size}; B={B_} G={G_} C={C_}; ms per fwd+bwd (median of {REPS}), "
@@ -112,16 +113,17 @@ def main():
     for P, mixed in [(P, False) for P in PROMPT_LENS] + [(PROMPT_LENS[-2], True)]:
         ms_f, gb_f, lp_f, err_f = bench_train(model, P, reuse=False, mixed=mixed)
         ms_r, gb_r, lp_r, err_r = bench_train(model, P, reuse=True, mixed=mixed)
-        ceiling = B_ * G_ * (P + C_) / (B_ * (P + G_ * C_))
+        p, c = (m.sum(1) for m in bench_batch(model, P, mixed)[1::2])  # real lengths
+        ceiling = B_ * G_ * (P + C_ - 1) / float((p - 1).sum() + c.sum())  # padded slots / packed
         speedup = ms_f / ms_r if ms_f and ms_r else None
         diff = None if err_f or err_r else (lp_f - lp_r).abs().max().item()
         full = f"{cell(ms_f, '9.1f', err_f)} {cell(gb_f, '6.2f', err_f)}"
         reuse = f"{cell(ms_r, '9.1f', err_r)} {cell(gb_r, '6.2f', err_r)}"
         print(f"{str(P) + '*' * mixed:>6} | {full} | {reuse} | {cell(speedup, '6.2f')}x "
               f"{ceiling:6.2f}x | {cell(diff, '10.2e')}", flush=True)
-    print("     * mixed lengths: prompts in [P/2, P], completions in [C/2, C] (the mask path)")
-    print("     tokens: B*G*(P+C) / B*(P+G*C), the speedup if time went with tokens (attention "
-          "and the LM head do not)")
+    print("     * mixed lengths: prompts in [P/2, P], completions in [C/2, C]")
+    print("     tokens: the full path's padded slots B*G*(P+C-1) / the packed row's real tokens, the "
+          "speedup if time went with tokens (attention and the LM head do not)")
 
 
 if __name__ == "__main__":
