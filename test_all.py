@@ -1820,6 +1820,24 @@ def test_batching_loss_type_weights_match_trl():
 
 
 @check
+def test_grpo_kv_reuse_off_for_a_model_the_packed_forward_does_not_take():
+    """a sliding-window model: load_models resolves kv_reuse to False and says so, so that the micro-batches are
+    planned (padded) as its passes run; a model the packed forward takes keeps it"""
+    import tempfile
+    from transformers import AutoTokenizer
+    import grpo
+    d = tempfile.mkdtemp(prefix="nanogrpo_sw_")
+    tiny_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1).save_pretrained(d)
+    AutoTokenizer.from_pretrained(_tiny_model_dir()).save_pretrained(d)
+    for path, want in ((d, False), (_tiny_model_dir(), True)):
+        cfg = _trainer_cfg(kv_reuse=True, lora_r=0, beta=0.0, gradient_checkpointing=False)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            grpo.load_models(cfg, path, None, torch.device("cpu"), torch.float32)
+        assert cfg.kv_reuse is want and ("kv_reuse: False" in out.getvalue()) is not want, (path, out.getvalue())
+
+
+@check
 def test_batching_padding_frac_counts_the_update_slots():
     """update_step logs padding_frac, the share of the update's token slots that held padding: 0 when packed (on
     the CPU a row is not rounded up), and 1 - real / (B*G*(P + C - 1)) per pass on the padded full path"""
