@@ -67,7 +67,7 @@ logprob_impl = "auto"  # fused | chunked | naive | auto (fused on the GPU, chunk
 kv_reuse = True  # the update packs each group's prompt once with its G completions
 gradient_checkpointing = "auto"  # recompute layers in the backward: True | False | auto (if needed)
 compile = True  # GPU, from 128 new tokens: torch.compile the decode and the update's small ops
-micro_batch_tokens = 0  # real tokens a micro-batch holds (whole groups); 0 = auto
+micro_batch_tokens = 0  # real tokens a micro-batch holds (whole groups, or parts); 0 = auto
 rollout_kv_gib = 0.0  # K/V the rollout holds at once (0 = auto); more groups go in later waves
 device = "auto"  # auto | cuda | cpu | cuda:N
 dtype = "bfloat16"  # float32 | bfloat16 (float16 would need a loss scaler); the masters are float32
@@ -75,7 +75,7 @@ seed = 1337  # each torchrun process samples with seed + its rank
 deterministic = False  # deterministic kernels: the same log for the same command, GPU and software
 # LoRA (peft): the base stays frozen in dtype and only the adapters train
 lora_r = 0  # LoRA rank (0 = full fine-tuning)
-lora_alpha = 32  # the adapters' scale is lora_alpha / lora_r (TRL's defaults for these three)
+lora_alpha = 32  # the adapters' scale is lora_alpha / lora_r (TRL's default, as the dropout's)
 lora_dropout = 0.05  # dropout on each adapter's input
 lora_target_modules = ""  # comma-separated module names ("" = q,k,v,o,gate,up,down_proj)
 # eval, logging, checkpoints, torchrun

@@ -295,7 +295,7 @@ def train(argv):
     if cfg.deterministic:
         # before the first cuBLAS call: its split reductions follow the workspace config
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)  # e.g. SDPA's backward without atomics
+        torch.use_deterministic_algorithms(True)  # e.g. attention backward without atomics
     r, world, dev = setup_distributed(cfg, dev)  # rank 0 of 1 without torchrun
     try:
         procs = f", {world} processes" if world > 1 else ""
