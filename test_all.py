@@ -2062,7 +2062,7 @@ def test_grpo_same_seed_same_log_and_deterministic_flag():
     """the same command twice gives the same log (rewards, losses, gradient norms, held-out accuracy: only the
     timings differ), with --deterministic=True too, which turns torch's deterministic mode on for the run only; a
     second seed gives another log (the check can fail). On the CPU every kernel is deterministic: on a GPU the flag
-    is what makes SDPA's backward and cuBLAS so (README)"""
+    is what makes the attention backward and cuBLAS so (README)"""
     import tempfile
     timing = {"gen_s", "update_s", "tokens_per_s", "minutes", "peak_gib"}
     strip = lambda res: [{k: v for k, v in r.items() if k not in timing} for r in res.records]  # noqa: E731
