@@ -424,15 +424,15 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
     # 1. forward and backward of every pass: the mini-batch's gradient in .grad
     totals, loss_total, w_sum = backward(model, buf, mbs, cfg)
     passes = totals.pop("micro_batches")
-    none = torch.zeros_like(w_sum)  # (no pass ran: every token masked)
-    slots = totals.pop("real_tokens", none), totals.pop("token_slots", none)
+    zero = torch.zeros_like(w_sum)  # (no pass ran: every token masked)
+    real, slots = totals.pop("real_tokens", zero), totals.pop("token_slots", zero)
     # 2. the gradients the optimizer steps (float32 masters; replicas: summed over the ranks)
     params = gradients_to_step(model, master)
     # 3. the stats over every rank, each by its stat_op
     if distributed():
         totals = global_stats(totals, w_sum.device)
         loss_total, w_sum = global_sum(loss_total), global_sum(w_sum)
-        slots = global_sum(slots[0]), global_sum(slots[1])
+        real, slots = global_sum(real), global_sum(slots)
     # 4. clip (grad_clip 0: measure the norm only), step, round the masters back into the model
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over every rank's shards
@@ -447,7 +447,7 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
     keys = list(totals)
     numbers = [totals[k].float() for k in keys]
     numbers += [loss_total.float(), w_sum, grad_norm.float().to(w_sum.device)]
-    numbers += [slots[0].float(), slots[1].float()]
+    numbers += [real.float(), slots.float()]
     *values, loss, w_sum, grad_norm, real, slots = torch.stack(numbers).tolist()
     out = dict.fromkeys(("clip_low", "clip_high", "clip_ratio", "entropy", "ratio_mean",
                          "ratio_dev_max"), math.nan)
