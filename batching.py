@@ -15,8 +15,7 @@ import torch
 
 import lora
 from dist import all_ranks, distributed, fsdp_modules, global_stats, global_sum, stat_op
-from kv_reuse import (compiled_pieces, completion_hidden, micro_batches, reuse_unsupported,
-                      token_slots)
+from kv_reuse import compiled_pieces, completion_hidden, micro_batches, split_runs, token_slots
 from logprobs import token_logprobs
 from rollout import COMPILE_MIN_TOKENS, LAST, eos_tensor, generate_in_waves
 
@@ -200,14 +199,8 @@ def micro_batch_parts(buf, b0, b1, cfg):
         return (r1 - r0) * (p + max(c_len[r0:r1]))
     if b1 - b0 > 1 or cost(0, G) <= budget:
         return [(b0 * G, dict(mb, lengths=(p_len, c_len)))]
-    bounds, r0 = [], 0
-    for r in range(1, G):
-        if cost(r0, r + 1) > budget:
-            bounds.append((r0, r))
-            r0 = r
-    bounds.append((r0, G))
     parts = []
-    for r0, r1 in bounds:  # each part a group of its own, its unused padding columns cut off
+    for r0, r1 in split_runs(G, cost, budget):  # each a group of its own, its padding columns cut
         rows = {k: mb[k][r0:r1] for k in ROW_KEYS if k in mb}
         part = slice_groups(dict(mb, group_size=r1 - r0, **rows), 0, 1)
         parts.append((b0 * G + r0, dict(part, lengths=(p_len, c_len[r0:r1]))))
@@ -383,12 +376,11 @@ def backward(model, buf, mbs, cfg):
     if units:  # FSDP2: each backward reduce-scatters, so every rank runs as many as the busiest
         n_padding = int(global_sum(torch.tensor(len(runs), device=w_sum.device), "max")) - len(runs)
     totals, loss_total = {}, torch.zeros_like(w_sum)  # on the device: no host sync per pass
-    packed = cfg.kv_reuse and not reuse_unsupported(model)
     for mb in runs:
         loss, stats = forward_backward(model, mb, cfg)
         loss_total = loss_total + loss
         stats["real_tokens"], stats["token_slots"] = token_slots(
-            mb["prompt_mask"], mb["completion_mask"], mb["group_size"], packed)
+            mb["prompt_mask"], mb["completion_mask"], mb["group_size"], cfg.kv_reuse)
         for k, v in stats.items():
             totals[k] = COMBINE[stat_op(k)](totals[k], v) if k in totals else v
     if n_padding:  # the first group's first part, all its tokens weighted: the graph reaches

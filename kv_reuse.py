@@ -27,7 +27,6 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import AttentionInterface
 
@@ -158,10 +157,8 @@ def packed_trunk(model, ids, pos, mask):
             with using_packed_attention(model), hf_checkpointing_off(layer):
                 out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
             return out[0] if isinstance(out, tuple) else out
-        checkpoint_fn = getattr(layer, "_gradient_checkpointing_func", None)
         if getattr(layer, "gradient_checkpointing", False) and layer.training and grad:
-            h = (checkpoint_fn or functools.partial(torch.utils.checkpoint.checkpoint,
-                                                    use_reentrant=False))(run, h)
+            h = layer._gradient_checkpointing_func(run, h)  # HF's checkpoint, as the user set it
         else:
             h = run(h)
     return trunk.norm(h)
@@ -220,12 +217,18 @@ def micro_batches(prompt_mask, completion_mask, group_size, micro_batch_tokens, 
         if reuse:
             return sum(p_len[b] - 1 + c_sum[b] for b in range(b0, b1))
         return (b1 - b0) * G * (max(p_len[b0:b1]) + max(c_max[b0:b1]))
-    out, b0 = [], 0
-    for b in range(1, len(p_len)):
-        if cost(b0, b + 1) > micro_batch_tokens:
-            out.append((b0, b))
-            b0 = b
-    out.append((b0, len(p_len)))
+    return split_runs(len(p_len), cost, micro_batch_tokens)
+
+
+def split_runs(n, cost, budget):
+    """items 0..n-1 cut greedily into runs [i0, i1) with cost(i0, i1) <= budget (a lone item over
+    it gets its own run)"""
+    out, i0 = [], 0
+    for i in range(1, n):
+        if cost(i0, i + 1) > budget:
+            out.append((i0, i))
+            i0 = i
+    out.append((i0, n))
     return out
 
 

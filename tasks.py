@@ -38,13 +38,13 @@ BIN_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv}
 
 
-def only_answer(completion, pattern, groups=1):
-    """pattern's first matched group of 1..groups at the reply's one "answer is"; None if it has
-    none, or several"""
+def only_answer(completion, pattern):
+    """pattern's matched group (the first of its alternatives that matched) at the reply's one
+    "answer is"; None if it has none, or several"""
     if len(ANSWER_IS.findall(completion)) != 1:
         return None
     found = pattern.search(completion)
-    return next((g for g in found.groups()[:groups] if g is not None), None) if found else None
+    return next((g for g in found.groups() if g is not None), None) if found else None
 
 
 def parse_int(s):
@@ -111,7 +111,7 @@ def arithmetic_prompts(n, seed, difficulty):
 
 
 def arithmetic_reward(completion, target):
-    found = only_answer(completion, RESULT_RE, groups=2)
+    found = only_answer(completion, RESULT_RE)
     answer = parse_int(found) if found else None
     if answer is None:  # no single answer, or not a number we read: no format credit either
         return 0.0, False
