@@ -103,7 +103,7 @@ def main():
     dev_name = torch.cuda.get_device_name() if CUDA else "cpu"
     print(f"kv_reuse benchmark on {dev_name}: torch {torch.__version__}, transformers "
           f"{transformers.__version__}, {'bf16' if CUDA else 'fp32'}, full: sdpa, reuse: packed "
-          f"({'FlexAttention' if CUDA else 'SDPA a group at a time'}), GC on (non-reentrant), "
+          f"({'flash varlen' if CUDA else 'SDPA a sequence at a time'}), GC on (non-reentrant), "
           f"loss=logprobs.{LOGP_IMPL}")
     print(f"Qwen2-shaped random model: hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
           f"vocab {cfg.vocab_size}; B={B_} G={G_} C={C_}; ms per fwd+bwd (median of {REPS}), "

@@ -16,28 +16,30 @@ through the attention like any other token: no K/V copies, no cache.
     padded:  B*G*(P + C - 1) slots (every completion re-reads its prompt; rows padded)
     packed:  sum over groups of (p - 1) + the completions' real lengths
 
-On a GPU the mask is a FlexAttention BlockMask (the blocks no query sees are skipped); elsewhere
-each group runs SDPA under its own dense bool mask (FlexAttention has no CPU backward). Left out:
-sliding-window and hybrid models, which take the padded full path (what HF runs).
+The attention runs the row as variable-length sequences (flash varlen on a GPU): each prompt over
+itself, then each completion segment over [its prompt ++ itself], causal and aligned bottom-right
+(the segment's first query sees the whole prompt). The prompt's K/V are gathered once per segment,
+and autograd sums their G gradients back into the prompt. Left out: sliding-window and hybrid
+models, which take the padded full path (what HF runs).
 """
 import contextlib
 import functools
+import inspect
 import sys
 import warnings
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.varlen import varlen_attn
 from transformers import AttentionInterface
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # full-attention decoders we have checked
 PROMPT = -1  # seg of a prompt token
-PAD_DOC, PAD_SEG = -1, -2  # doc and seg of the padding that ends a GPU row (it sees only itself)
-PAD_MULTIPLE = 128  # a GPU row is padded to FlexAttention's block size
 
 
-# the packed row: its layout, its mask, its attention -------------------------------------------
-def pack_layout(p_len, c_len, P, C, G, pad_to=1):
+# the packed row: its layout, its sequences, its attention --------------------------------------
+def pack_layout(p_len, c_len, P, C, G):
     """Host index tensors of the packed row of B groups: p_len (B,) prompt lengths, c_len (B*G,)
     completion lengths, P and C the padded widths. src indexes cat(prompt_ids.flatten(),
     completion_ids.flatten()); pos, doc, seg per token; out: the tokens whose hidden states predict
@@ -62,60 +64,76 @@ def pack_layout(p_len, c_len, P, C, G, pad_to=1):
             seg.append(torch.full((c,), r))
             out.append(torch.arange(t, t + c))
             t += c
-    n_pad = -t % pad_to
-    src.append(torch.zeros(n_pad, dtype=torch.long))  # (any token: a pad's output is never read)
-    pos.append(torch.zeros(n_pad, dtype=torch.long))
-    doc.append(torch.full((n_pad,), PAD_DOC))
-    seg.append(torch.full((n_pad,), PAD_SEG))
     cat = lambda xs: torch.cat(xs).long()  # noqa: E731
     return cat(src), cat(pos), cat(doc), cat(seg), cat(out)
 
 
-def pad_multiple(device):
-    return PAD_MULTIPLE if device.type == "cuda" else 1
+def packed_sequences(doc, seg, device):
+    """The attention of a packed row as variable-length sequences, from pack_layout's host doc and
+    seg: each group's prompt[:-1] over itself, then each completion segment over the keys
+    [its prompt[:-1] ++ itself]. Both causal, aligned bottom-right: a segment's query i sees keys
+    up to len(prompt) - 1 + i. Returns kv_src (T_k,) the packed token of each key, cu_q and cu_k
+    (S+1,) the sequences' starts among the queries and the keys, max_q and max_k, and the host
+    bounds [(q0, q1, k0, k1)] of each sequence (for varlen_torch)."""
+    runs, counts = torch.unique_consecutive(torch.stack([doc, seg], 1), dim=0, return_counts=True)
+    kv_src, bounds, prompt_of, t, tk = [], [], {}, 0, 0  # t, tk: queries and keys so far
+    for (d, s), n in zip(runs.tolist(), counts.tolist()):
+        own = torch.arange(t, t + n)
+        if s == PROMPT:
+            prompt_of[d] = own
+        keys = own if s == PROMPT else torch.cat([prompt_of.get(d, own[:0]), own])  # (p = 1: none)
+        kv_src.append(keys)
+        bounds.append((t, t + n, tk, tk + len(keys)))
+        t, tk = t + n, tk + len(keys)
+    cu_q = torch.tensor([0] + [q1 for _, q1, _, _ in bounds], dtype=torch.int32)
+    cu_k = torch.tensor([0] + [k1 for _, _, _, k1 in bounds], dtype=torch.int32)
+    to_dev = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+    return SimpleNamespace(
+        kv_src=to_dev(torch.cat(kv_src)), cu_q=to_dev(cu_q), cu_k=to_dev(cu_k), bounds=bounds,
+        max_q=max(q1 - q0 for q0, q1, _, _ in bounds),
+        max_k=max(k1 - k0 for _, _, k0, k1 in bounds))
 
 
-def packed_mask(doc, seg):
-    """The mask of a packed row: on a GPU a FlexAttention BlockMask; elsewhere a list of
-    (first token, end, (1, 1, n, n) bool mask) per group, as groups never see each other."""
-    def allowed(b, h, q, k):
-        return (k <= q) & (doc[k] == doc[q]) & ((seg[k] == PROMPT) | (seg[k] == seg[q]))
-    T = len(doc)
-    if doc.is_cuda:
-        return create_block_mask(allowed, None, None, T, T, device=doc.device, _compile=True)
-    groups, t0 = [], 0
-    for n in torch.unique_consecutive(doc, return_counts=True)[1].tolist():
-        t = torch.arange(t0, t0 + n, device=doc.device)
-        groups.append((t0, t0 + n, allowed(None, None, t[:, None], t[None])[None, None]))
-        t0 += n
-    return groups
+def varlen_torch(q, k, v, m, scale, gqa):
+    """packed_sequences' attention as SDPA a sequence at a time: the reference, and the path on
+    the CPU and in float32 (flash has neither). (T, h, D) queries -> (T, h, D)"""
+    out = []
+    for q0, q1, k0, k1 in m.bounds:
+        mask = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device)
+        mask = mask.tril((k1 - k0) - (q1 - q0))  # bottom-right causal
+        out.append(F.scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=gqa).transpose(0, 1))
+    return torch.cat(out)
 
 
-@functools.cache
-def compiled_flex():
-    return torch.compile(flex_attention, dynamic=True)
+# torch 2.11 and 2.13 spell causal and GQA differently; older flash takes K/V heads as they are
+VARLEN_ARGS = inspect.signature(varlen_attn).parameters
+CAUSAL = {"window_size": (-1, 0)} if "window_size" in VARLEN_ARGS else {"is_causal": True}
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      **kwargs):
     """HF attention "nanogrpo_packed": (1, h, T, D) queries over (1, kvh, T, D) keys and values,
-    under packed_mask's mask; GQA inside the kernel (K/V heads are not repeated)"""
+    as packed_sequences' sequences (attention_mask); flash varlen on a GPU in 16-bit, else
+    varlen_torch. GQA inside the kernel (K/V heads are not repeated)."""
+    if dropout > 0:
+        raise ValueError("the packed attention has no dropout: set attention_dropout=0")
     if torch.is_autocast_enabled(query.device.type):
         # float32 weights under autocast: RoPE leaves q/k in float32 and v in bf16. One dtype here.
         dt = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dt), key.to(dt), value.to(dt)
-    gqa = query.shape[1] != key.shape[1]
-    if isinstance(attention_mask, BlockMask):
-        if dropout > 0:
-            raise ValueError("the packed attention has no dropout: set attention_dropout=0")
-        out = compiled_flex()(query, key, value, block_mask=attention_mask, scale=scaling,
-                              enable_gqa=gqa)
-    else:  # a group at a time: (1, h, n, D) each
-        out = torch.cat([F.scaled_dot_product_attention(
-            query[:, :, t0:t1], key[:, :, t0:t1], value[:, :, t0:t1], attn_mask=mask,
-            dropout_p=dropout, scale=scaling, enable_gqa=gqa)
-            for t0, t1, mask in attention_mask], dim=2)
-    return out.transpose(1, 2).contiguous(), None  # (1, T, h, D), as HF's attention returns it
+    m, gqa = attention_mask, query.shape[1] != key.shape[1]
+    q = query[0].transpose(0, 1)  # (T, h, D)
+    k = key[0].transpose(0, 1)[m.kv_src]  # (T_k, kvh, D): a segment's keys repeat its prompt's
+    v = value[0].transpose(0, 1)[m.kv_src]
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        extra = {"enable_gqa": gqa} if "enable_gqa" in VARLEN_ARGS else {}
+        out = varlen_attn(q, k, v, m.cu_q, m.cu_k, m.max_q, m.max_k, scale=scaling, **CAUSAL,
+                          **extra)
+    else:
+        out = varlen_torch(q, k, v, m, scaling, gqa)
+    return out[None].contiguous(), None  # (1, T, h, D), as HF's attention returns it
 
 
 AttentionInterface.register("nanogrpo_packed", packed_attention)
@@ -143,7 +161,7 @@ def hf_checkpointing_off(layer):
         layer.gradient_checkpointing = on
 
 
-def packed_trunk(model, ids, pos, mask):
+def packed_trunk(model, ids, pos, seqs):
     """The decoder over one packed row: embeddings, every layer under the packed attention, the
     final norm -> (1, T, H). The layers are called here, each checkpointed here (with HF's
     checkpoint function and its settings) when the model checkpoints: a recompute in backward then
@@ -155,7 +173,7 @@ def packed_trunk(model, ids, pos, mask):
     for layer in trunk.layers:
         def run(h, layer=layer):
             with using_packed_attention(model), hf_checkpointing_off(layer):
-                out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+                out = layer(h, attention_mask=seqs, position_ids=pos, position_embeddings=rope)
             return out[0] if isinstance(out, tuple) else out
         if getattr(layer, "gradient_checkpointing", False) and layer.training and grad:
             h = layer._gradient_checkpointing_func(run, h)  # HF's checkpoint, as the user set it
@@ -196,10 +214,11 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
         raise ValueError(f"lengths do not fit the inputs: {len(p_len)} prompts of at most "
                          f"{max(p_len)} for ({B}, {P}); {len(c_len)} completions for "
                          f"({B * G}, {C})")
-    src, pos, doc, seg, out = (x.to(prompt_ids.device, non_blocking=True) for x in pack_layout(
-        p_len, c_len, P, C, G, pad_multiple(prompt_ids.device)))
+    src, pos, doc, seg, out = pack_layout(p_len, c_len, P, C, G)  # host tensors: no read-back
+    seqs = packed_sequences(doc, seg, prompt_ids.device)
+    src, pos, out = (x.to(prompt_ids.device, non_blocking=True) for x in (src, pos, out))
     ids = torch.cat([prompt_ids.flatten(), completion_ids.flatten()])[src]  # (T,)
-    h = packed_trunk(model, ids[None], pos[None], packed_mask(doc, seg))  # (1, T, H)
+    h = packed_trunk(model, ids[None], pos[None], seqs)  # (1, T, H)
     return h[0, out]  # (N, H)
 
 
@@ -234,12 +253,11 @@ def split_runs(n, cost, budget):
 
 def token_slots(prompt_mask, completion_mask, group_size, packed):
     """(real tokens, token slots) of one forward, 0-dim device tensors (no host sync): packed, the
-    real ones rounded up to a GPU row's block; padded, every row's P + C - 1 columns"""
+    real ones (no padding); padded, every row's P + C - 1 columns"""
     B, G = prompt_mask.shape[0], group_size
     if packed:
         real = prompt_mask.sum() - B + completion_mask.sum()
-        m = pad_multiple(prompt_mask.device)
-        return real, (real + m - 1) // m * m
+        return real, real
     real = (prompt_mask.sum(1).repeat_interleave(G) + completion_mask.sum(1) - 1).sum()
     return real, real.new_tensor(B * G * (prompt_mask.shape[1] + completion_mask.shape[1] - 1))
 

@@ -541,21 +541,27 @@ def test_kv_edge_shapes():
 def test_kv_packed_layout_by_hand():
     """one prompt of 4 tokens and 3 completions of lengths 3, 7, 2 (padded to 7): the packed row is the prompt's
     first 3 tokens, then per completion the prompt's last token and its own tokens but the last, positions
-    restarting at 3; the mask lets a completion see the prompt and its own earlier tokens only; the padded tail
-    of a row (a GPU's) is a group of its own"""
+    restarting at 3; its sequences are the prompt over itself, then each completion over the prompt ++ itself"""
     import kv_reuse
     P, C, G = 4, 7, 3
-    src, pos, doc, seg, out = kv_reuse.pack_layout([4], [3, 7, 2], P, C, G, pad_to=8)
+    src, pos, doc, seg, out = kv_reuse.pack_layout([4], [3, 7, 2], P, C, G)
     first = lambda r: P + r * C  # completion r's first token in cat(prompt_ids.flatten(), completion_ids.flatten())
     want_src = [0, 1, 2] + [3, first(0), first(0) + 1] + [3] + list(range(first(1), first(1) + 6)) + [3, first(2)]
-    assert src.tolist()[:15] == want_src and len(src) == 16, src.tolist()
-    assert pos.tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8, 9, 3, 4, 0], pos.tolist()
-    assert seg.tolist() == [-1] * 3 + [0] * 3 + [1] * 7 + [2] * 2 + [-2] and doc.tolist()[-1] == -1
+    assert src.tolist() == want_src, src.tolist()
+    assert pos.tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8, 9, 3, 4], pos.tolist()
+    assert seg.tolist() == [-1] * 3 + [0] * 3 + [1] * 7 + [2] * 2 and doc.tolist() == [0] * 15
     assert out.tolist() == list(range(3, 15)), out.tolist()  # the states that predict the 12 completion tokens
-    (t0, t1, mask), (p0, p1, pad) = kv_reuse.packed_mask(doc, seg)  # the group, then the pad
-    assert (t0, t1, p0, p1) == (0, 15, 15, 16) and pad.tolist() == [[[[True]]]]
-    assert mask[0, 0, 6].tolist() == [True] * 3 + [False] * 3 + [True] + [False] * 8  # completion 1's first
-    assert mask[0, 0, 14].tolist() == [True] * 3 + [False] * 10 + [True, True]  # completion 2's second
+    m = kv_reuse.packed_sequences(doc, seg, "cpu")
+    assert m.bounds == [(0, 3, 0, 3), (3, 6, 3, 9), (6, 13, 9, 19), (13, 15, 19, 24)], m.bounds
+    assert m.kv_src.tolist() == [0, 1, 2] + [0, 1, 2, 3, 4, 5] + [0, 1, 2] + list(range(6, 13)) + [0, 1, 2, 13, 14]
+    assert m.cu_q.tolist() == [0, 3, 6, 13, 15] and m.cu_k.tolist() == [0, 3, 9, 19, 24]
+    assert (m.max_q, m.max_k) == (7, 10)
+    q, k, v = (torch.randn(15, 4, 8) for _ in range(3))  # the torch path against a dense mask by hand
+    t = torch.arange(15)
+    allowed = (t[None] <= t[:, None]) & ((seg[None] == -1) | (seg[None] == seg[:, None]))
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                            attn_mask=allowed).transpose(0, 1)
+    assert_close(kv_reuse.varlen_torch(q, k[m.kv_src], v[m.kv_src], m, None, False), want, 1e-5, "varlen_torch")
 
 
 @check
