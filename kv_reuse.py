@@ -75,9 +75,11 @@ def packed_sequences(doc, seg, device):
     up to len(prompt) - 1 + i. Returns kv_src (T_k,) the packed token of each key, cu_q and cu_k
     (S+1,) the sequences' starts among the queries and the keys, max_q and max_k, and the host
     bounds [(q0, q1, k0, k1)] of each sequence (for varlen_torch)."""
-    runs, counts = torch.unique_consecutive(torch.stack([doc, seg], 1), dim=0, return_counts=True)
+    key = doc * 2**32 + seg - PROMPT  # one int per (doc, seg): a 1-D scan, not a row compare
+    runs, counts = torch.unique_consecutive(key, return_counts=True)
     kv_src, bounds, prompt_of, t, tk = [], [], {}, 0, 0  # t, tk: queries and keys so far
-    for (d, s), n in zip(runs.tolist(), counts.tolist()):
+    for d, s, n in zip((runs >> 32).tolist(), ((runs & (2**32 - 1)) + PROMPT).tolist(),
+                       counts.tolist()):
         own = torch.arange(t, t + n)
         if s == PROMPT:
             prompt_of[d] = own
