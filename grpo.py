@@ -11,7 +11,6 @@ optimizer steps over the groups (batching.py); 3. evaluate, log, save. The knobs
 Left out on purpose: a separate inference server (the policy samples itself: no weights to sync),
 multi-turn and tool calls, learned reward models, schedules beyond a linear warmup.
 """
-import functools
 import json
 import math
 import os
@@ -28,8 +27,8 @@ import lora
 from config import default_plan, memory_plan, parse_config, resolve
 from dist import (all_ranks, fsdp_modules, gathered, rank, rank0_value, setup_distributed,
                   shard_model, stat_op, world_size)
-from tasks import (TASKS, check_training_pool, load_task, make_reward,  # noqa: F401 (TASKS)
-                   overlong_penalty, reward_names, step_seed, train_prompts)
+from tasks import (TASKS, check_training_pool, encode_prompts, load_task,  # noqa: F401 (TASKS)
+                   make_reward, overlong_penalty, reward_names, score, step_seed, train_prompts)
 
 
 # -----------------------------------------------------------------------------
@@ -40,30 +39,6 @@ def stop_token_ids(model, tokenizer):
     ids = model.generation_config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     return sorted({tokenizer.eos_token_id, *ids} - {None})
-
-
-def encode_prompts(tokenizer, questions, max_prompt_len, dev):
-    """chat template, then left padding -> ids and mask, both (B, P)"""
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                           add_generation_prompt=True) for q in questions]
-    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
-                    add_special_tokens=False)
-    if enc.input_ids.shape[1] > max_prompt_len:
-        raise ValueError(f"a prompt has {enc.input_ids.shape[1]} tokens, more than "
-                         f"max_prompt_len={max_prompt_len}: raise --max_prompt_len")
-    return enc.input_ids.to(dev), enc.attention_mask.to(dev)
-
-
-def score(reward_fn, tokenizer, buf, pairs, n):
-    """score buf's completions. Rows are prompt-major: row i answers pairs[i // n] = (question,
-    example). A row's token ids are cut at its length, the EOS included (TRL's count); a row with no
-    EOS is truncated. Returns (texts, [(total, correct, [each reward])])."""
-    texts = tokenizer.batch_decode(buf["completion_ids"], skip_special_tokens=True)
-    lengths = buf["completion_mask"].sum(1).tolist()
-    ids = [row[:L] for row, L in zip(buf["completion_ids"].tolist(), lengths)]
-    rows = [pairs[i // n] for i in range(len(texts))]
-    questions, examples = [q for q, _ in rows], [e for _, e in rows]
-    return texts, reward_fn(questions, texts, examples, ids, buf["truncated"].tolist())
 
 
 def generate(model, prompt_ids, prompt_mask, n, temperature, top_p, cfg, tokenizer):
@@ -88,12 +63,10 @@ def draw_prompts(cfg, step, draw, tokenizer, make_prompts, eval_questions, dev):
 
 def sample_draw(cfg, step, draw, policy, tokenizer, make_prompts, reward_fn, eval_questions, dev,
                 pool=None):
-    """one draw of prompts for this rank, its groups sampled and scored (pool: the pool's groups
-    that complete, pool.py). A completion's reward is the weighted sum of the rewards plus DAPO's
-    soft overlong penalty."""
+    """one draw of prompts for this rank (or the pool's complete groups: pool.py), sampled and
+    scored; a reward is the weighted sum of the rewards plus DAPO's soft overlong penalty"""
     from pool import pool_step
     n, G = cfg.prompts_per_step // world_size(), cfg.group_size
-    pool_stats = {}
     try:
         if pool is None:
             pairs, prompt_ids, prompt_mask = draw_prompts(cfg, step, draw, tokenizer, make_prompts,
@@ -101,9 +74,7 @@ def sample_draw(cfg, step, draw, policy, tokenizer, make_prompts, reward_fn, eva
             buf = generate(policy, prompt_ids, prompt_mask, G, cfg.temperature, cfg.top_p, cfg,
                            tokenizer)
         else:
-            buf, pairs, pool_stats = pool_step(pool, policy, step, n, cfg,
-                                               stop_token_ids(policy, tokenizer),
-                                               tokenizer.pad_token_id)
+            buf, pairs = pool_step(pool, policy, step, n, cfg)  # (its stats in buf["pool"])
     except torch.cuda.OutOfMemoryError as e:
         why = "out of GPU memory while generating: lower --prompts_per_step, --group_size or "
         raise torch.cuda.OutOfMemoryError(why + "--max_completion_len") from e
@@ -114,7 +85,7 @@ def sample_draw(cfg, step, draw, policy, tokenizer, make_prompts, reward_fn, eva
     rewards = torch.tensor([t + p for (t, _, _), p in zip(scored, penalties)], device=dev)  # (B*G,)
     flat = (rewards.view(n, G).std(1) <= 1e-6).tolist()  # (B,) groups whose rewards all agree
     return SimpleNamespace(buf=buf, rewards=rewards, flat=flat, scored=scored, penalties=penalties,
-                           pool=pool_stats)
+                           pool=buf.pop("pool", {}))
 
 
 def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_questions, dev,
@@ -392,10 +363,10 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         print(f"step 0: held-out greedy accuracy {ev['eval_accuracy']:.3f} (format "
               f"{ev['eval_format']:.3f}) on {len(eval_set)} prompts{pass_k}")
     if cfg.max_staleness:  # the groups in flight; a resume admits its in-flight ones again
-        prompts = functools.partial(draw_prompts, cfg, draw=0, tokenizer=tokenizer, dev=dev,
-                                    make_prompts=make_prompts,
-                                    eval_questions=trainer.eval_questions)
-        trainer.pool = new_pool(prompts, cfg.group_size, step, in_flight)
+        def prompts(k):  # draw k: what a synchronous run samples at step k
+            return draw_prompts(cfg, k, 0, tokenizer, make_prompts, trainer.eval_questions, dev)
+        trainer.pool = new_pool(prompts, cfg.group_size, stop, tokenizer.pad_token_id, step,
+                                in_flight)
     if r == 0:
         checkpoint.write_log(trainer.log_path, records)
     pbar = tqdm(range(step + 1, cfg.max_steps + 1), initial=step, total=cfg.max_steps,

@@ -102,14 +102,14 @@ def generate_in_waves(model, prompt_ids, prompt_mask, group_size, max_new_tokens
 
 
 # -- no tail: a pool of groups kept across steps ---------------------------------------------
-def new_pool(draw_prompts, group_size, step=0, saved=None):
+def new_pool(draw_prompts, group_size, eos_token_id, pad_token_id, step=0, saved=None):
     """The pool before step + 1. draw_prompts(k) -> (pairs, prompt_ids, prompt_mask): draw k's n
     prompts (left-padded), what a synchronous run samples at step k. groups: admitted, not yet
     trained; admitted: the draws admitted so far; ended: a counter ordering groups as they complete.
     saved (pool_state's, from a checkpoint at step): its groups in flight are admitted again as
     they were, their rows regenerated; without it, draws 1..step count as trained."""
-    pool = SimpleNamespace(draw_prompts=draw_prompts, group_size=group_size, groups=[],
-                           admitted=step, ended=0)
+    pool = SimpleNamespace(draw_prompts=draw_prompts, group_size=group_size, eos=eos_token_id,
+                           pad=pad_token_id, groups=[], admitted=step, ended=0)
     if saved:
         pool.admitted = saved["admitted"]
         for k, b, admitted_at in saved["groups"]:
@@ -135,9 +135,9 @@ def add_group(pool, draw, index, pair, prompt, step):
                                        step=step, rows=rows, order=None))
 
 
-def pool_step(pool, model, step, n, cfg, eos_token_id, pad_token_id):
-    """One step's n groups out of the pool: 1. admit, 2. decode, 3. hand over.
-    Returns (buf, pairs, stats), buf with rollout()'s keys."""
+def pool_step(pool, model, step, n, cfg):
+    """One step's n groups out of the pool: 1. admit, 2. decode, 3. hand over. Returns (buf, their
+    (question, example) pairs): buf has rollout()'s keys, and "pool": the step's statistics."""
     max_rows = max_pool_rows(model, cfg)
     if max_rows is not None and max_rows < n * cfg.group_size:
         raise ValueError(f"the rollout pool holds every row's K/V at once and {max_rows} rows fit, "
@@ -146,9 +146,8 @@ def pool_step(pool, model, step, n, cfg, eos_token_id, pad_token_id):
     admit(pool, step, n, cfg, max_rows)
     rows, added, steps, ended = 0, 0, 0, []
     if not ready(pool.groups, step, cfg.max_staleness, n):
-        rows, added, steps, ended = decode_round(pool, model, step, n, cfg, eos_token_id,
-                                                 pad_token_id)
-    buf, pairs, staleness = take(pool, step, n, cfg, pad_token_id)
+        rows, added, steps, ended = decode_round(pool, model, step, n, cfg)
+    buf, pairs, staleness = take(pool, step, n, cfg)
     # the step's pool statistics over every rank: sums, then ratios
     carried = sum(0 < len(r.ids) and not r.ended for g in pool.groups for r in g.rows)
     mine = (sum(staleness), max(staleness), n, carried, added, rows * steps,
@@ -160,7 +159,8 @@ def pool_step(pool, model, step, n, cfg, eos_token_id, pad_token_id):
                  rows_carried=s[3], slot_occupancy=s[4] / s[5] if s[5] else nan,
                  completion_len_trained=s[6] / (s[2] * cfg.group_size),
                  completion_len_sampled=s[8] / s[7] if s[7] else nan)
-    return buf, pairs, stats
+    buf["pool"] = stats
+    return buf, pairs
 
 
 def admit(pool, step, n, cfg, max_rows):
@@ -185,7 +185,7 @@ def ready(groups, step, max_staleness, n):
     return complete >= n and not old_open
 
 
-def decode_round(pool, model, step, n, cfg, eos_token_id, pad_token_id):
+def decode_round(pool, model, step, n, cfg):
     """2. decode the pool's unfinished rows in one batch until ready(). A group none of whose rows
     has started shares one prefill of its prompt; a row part-way through is its prompt ++ its
     tokens so far, prefilled as a prompt of its own under the current weights.
@@ -205,7 +205,7 @@ def decode_round(pool, model, step, n, cfg, eos_token_id, pad_token_id):
             limits.append(T - len(r.ids))
             where.append((g, r))
     width = max(len(p) for p in prefixes)
-    prompt_ids = torch.full((len(prefixes), width), pad_token_id, device=prefixes[0].device)
+    prompt_ids = torch.full((len(prefixes), width), pool.pad, device=prefixes[0].device)
     prompt_mask = torch.zeros_like(prompt_ids)
     for i, p in enumerate(prefixes):  # left-padded
         prompt_ids[i, width - len(p):], prompt_mask[i, width - len(p):] = p, 1
@@ -219,12 +219,12 @@ def decode_round(pool, model, step, n, cfg, eos_token_id, pad_token_id):
 
     ids, keep, logps = generate_groups(  # (rows, C) each
         model, prompt_ids, prompt_mask, 1, max(limits), temperature=cfg.temperature,
-        top_p=cfg.top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        top_p=cfg.top_p, eos_token_id=pool.eos, pad_token_id=pool.pad,
         return_logprobs=True, compile=cfg.compile, counts=counts, limits=limits, stop=stop)
     steps = LAST["steps"] + 1  # (token 0 comes from the prefill)
     added = keep.sum(1)  # (rows,)
     last = ids.gather(1, (added - 1).clamp_min(0)[:, None])[:, 0]
-    has_eos = (torch.isin(last, eos_tensor(eos_token_id, ids.device)) & (added > 0)).tolist()
+    has_eos = (torch.isin(last, eos_tensor(pool.eos, ids.device)) & (added > 0)).tolist()
     added = added.tolist()  # (the round's one host read)
     ended, last_round = [], {}
     for i, (g, r) in enumerate(where):
@@ -241,7 +241,7 @@ def decode_round(pool, model, step, n, cfg, eos_token_id, pad_token_id):
     return len(where), sum(added), steps, ended
 
 
-def take(pool, step, n, cfg, pad_token_id):
+def take(pool, step, n, cfg):
     """3. the n complete groups to train, out of the pool: those N or more steps old first, then
     in the order they completed. Returns (buffer, their (question, example) pairs, staleness)."""
     G = cfg.group_size
@@ -251,9 +251,9 @@ def take(pool, step, n, cfg, pad_token_id):
     P = max(len(g.prompt) for g in chosen)
     C = max(len(r.ids) for g in chosen for r in g.rows)
     dev = chosen[0].prompt.device
-    prompt_ids = torch.full((n, P), pad_token_id, device=dev)
+    prompt_ids = torch.full((n, P), pool.pad, device=dev)
     prompt_mask = torch.zeros(n, P, dtype=torch.long, device=dev)
-    completion_ids = torch.full((n * G, C), pad_token_id, device=dev)
+    completion_ids = torch.full((n * G, C), pool.pad, device=dev)
     completion_mask = torch.zeros(n * G, C, dtype=torch.long, device=dev)
     sampler_logp = torch.zeros(n * G, C, device=dev)
     for b, g in enumerate(chosen):

@@ -265,6 +265,30 @@ def step_seed(seed, step, draw=0):
     return seed * 100_003 + step + draw * 7_919_000_003
 
 
+def encode_prompts(tokenizer, questions, max_prompt_len, dev):
+    """chat template, then left padding -> ids and mask, both (B, P)"""
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True) for q in questions]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
+                    add_special_tokens=False)
+    if enc.input_ids.shape[1] > max_prompt_len:
+        raise ValueError(f"a prompt has {enc.input_ids.shape[1]} tokens, more than "
+                         f"max_prompt_len={max_prompt_len}: raise --max_prompt_len")
+    return enc.input_ids.to(dev), enc.attention_mask.to(dev)
+
+
+def score(reward_fn, tokenizer, buf, pairs, n):
+    """score buf's completions. Rows are prompt-major: row i answers pairs[i // n] = (question,
+    example). A row's token ids are cut at its length, the EOS included (TRL's count); a row with no
+    EOS is truncated. Returns (texts, [(total, correct, [each reward])])."""
+    texts = tokenizer.batch_decode(buf["completion_ids"], skip_special_tokens=True)
+    lengths = buf["completion_mask"].sum(1).tolist()
+    ids = [row[:L] for row, L in zip(buf["completion_ids"].tolist(), lengths)]
+    rows = [pairs[i // n] for i in range(len(texts))]
+    questions, examples = [q for q, _ in rows], [e for _, e in rows]
+    return texts, reward_fn(questions, texts, examples, ids, buf["truncated"].tolist())
+
+
 def check_task(task, eval_file=""):
     """the errors (strings) of a --task or --eval_file that cannot load, before anything loads"""
     errors, specs = [], [("task", task)]

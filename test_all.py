@@ -1941,11 +1941,12 @@ def test_pool_rows_carried_over_steps_end_as_one_call_would():
     eos = list(range(3, 10))  # 7 of 100 ids end a row: ragged greedy lengths
     n, G, N, T = 2, 3, 1, 32
     cfg, draw = _pool_cfg(max_staleness=N, max_completion_len=T), _pool_prompts(n)
-    p, trained, carried = pool.new_pool(draw, G), {}, 0
+    p, trained, carried = pool.new_pool(draw, G, eos, 0), {}, 0
     for step in range(1, 6):
-        buf, pairs, stats = pool.pool_step(p, model, step, n, cfg, eos, 0)
+        buf, pairs = pool.pool_step(p, model, step, n, cfg)
+        stats = buf["pool"]
         saved = pool.pool_state(p)  # what a checkpoint keeps: each group in flight, admitted again on resume
-        again = pool.new_pool(draw, G, step, saved)
+        again = pool.new_pool(draw, G, eos, 0, step, saved)
         assert [(g.draw, g.index, g.step, g.pair) for g in again.groups] == [
             (g.draw, g.index, g.step, g.pair) for g in p.groups] and again.admitted == p.admitted
         assert all(len(r.ids) == 0 for g in again.groups for r in g.rows)  # rows regenerated
@@ -1977,7 +1978,7 @@ def test_pool_step_checks_and_the_loss_correction_default():
     import pool
     model = tiny_model(num_hidden_layers=1)
     cfg = _pool_cfg(rollout_kv_gib=1e-6)  # a few rows' K/V
-    assert_raises(ValueError, lambda: pool.pool_step(pool.new_pool(_pool_prompts(2), 3), model, 1, 2, cfg, [2], 0),
+    assert_raises(ValueError, lambda: pool.pool_step(pool.new_pool(_pool_prompts(2), 3, [2], 0), model, 1, 2, cfg),
                   "--max_staleness=0")
     assert config.parse_config([]).vllm_importance_sampling_correction is False
     assert config.parse_config(["--max_staleness=2"]).vllm_importance_sampling_correction is True
