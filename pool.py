@@ -1,32 +1,29 @@
 """
-Which rows decode when. The synchronous step (--max_staleness=0) samples its B prompts x G rows at
-once, in waves that fit the K/V budget (rollout, generate_in_waves). At ragged lengths that step
-waits for its longest completion: most of the time a handful of rows decode alone, each step
-still reading every weight. No tail (--max_staleness=N > 0): the rollout is a pool of groups kept
-across steps. A step decodes only until prompts_per_step groups are complete (all G rows ended),
-trains on those, and carries the rest:
+Which rows decode when. The synchronous step (max_staleness=0) samples its B prompts x G rows at
+once, in waves that fit the K/V budget (rollout). At ragged lengths it waits for its longest
+completion, a handful of rows decoding alone while each step still reads every weight. No tail
+(max_staleness=N > 0) keeps a pool of groups across steps:
 
-    1. admit    draws of prompts_per_step prompts (the draws a synchronous run would make, in
-                order) while the groups admitted stay within (step + N) x prompts_per_step
-    2. decode   every unfinished row of the pool in one batch, until B groups are complete and
-                every group admitted N or more steps ago is too
-    3. hand     B complete groups to the update: the oldest first, then in the order they ended
+    1. admit    draws of B prompts, the ones a synchronous run makes, in order, while the groups
+                admitted stay within (step + N) x B (AReaL's bound: slow rows are never dropped,
+                which would bias training toward short completions)
+    2. decode   every unfinished row in one batch, until B groups are complete (all G rows ended)
+                and so is every group admitted N or more steps ago
+    3. hand     B complete groups to the update, the oldest first, then as they completed
 
-The bound is on admission (AReaL's), never on dropping slow rows: dropping long completions
-would bias training toward short ones. A trained group's prompt was admitted at most N optimizer
-steps before its update (its staleness); the loss corrects each token by the log-probs of the
-weights that sampled it (vllm_importance_sampling_correction, on by default when N > 0).
-
-A carried row continues under the new weights with its K/V recomputed: its prompt and tokens so
-far are prefilled as its own prompt, then it decodes on (AReaL's interruptible rollout). Left out:
-keeping the K/V across the update (PipelineRL's in-flight updates): K/V of the old weights, and
-memory held through the update.
+So a trained group's prompt came in at most N optimizer steps before its update, and each token
+keeps the log-prob of the weights that sampled it, which the loss corrects for
+(vllm_importance_sampling_correction, on by default when N > 0: AReaL's decoupled objective). A
+carried row continues under the new weights, its prompt ++ tokens prefilled as a prompt of its
+own (AReaL's interruptible rollout). Left out: K/V kept across the update (PipelineRL): K/V of
+the old weights, and memory held through the update.
 """
 from types import SimpleNamespace
 
 import torch
 
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from dist import all_ranks
 from rollout import LAST, eos_tensor, generate_groups, kv_bytes_per_token
@@ -204,11 +201,7 @@ def decode_round(pool, model, step, n, cfg):
             counts.append(1)
             limits.append(T - len(r.ids))
             where.append((g, r))
-    width = max(len(p) for p in prefixes)
-    prompt_ids = torch.full((len(prefixes), width), pool.pad, device=prefixes[0].device)
-    prompt_mask = torch.zeros_like(prompt_ids)
-    for i, p in enumerate(prefixes):  # left-padded
-        prompt_ids[i, width - len(p):], prompt_mask[i, width - len(p):] = p, 1
+    prompt_ids, prompt_mask = pad_rows(prefixes, pool.pad, "left")
 
     def stop(live):  # asked every few decode steps: would the pool be ready with these rows live?
         live = set(live)
@@ -248,25 +241,22 @@ def take(pool, step, n, cfg):
     complete = [g for g in pool.groups if all(r.ended for r in g.rows)]
     chosen = sorted(complete, key=lambda g: (step - g.step < cfg.max_staleness, g.order))[:n]
     pool.groups = [g for g in pool.groups if not any(g is c for c in chosen)]
-    P = max(len(g.prompt) for g in chosen)
-    C = max(len(r.ids) for g in chosen for r in g.rows)
-    dev = chosen[0].prompt.device
-    prompt_ids = torch.full((n, P), pool.pad, device=dev)
-    prompt_mask = torch.zeros(n, P, dtype=torch.long, device=dev)
-    completion_ids = torch.full((n * G, C), pool.pad, device=dev)
-    completion_mask = torch.zeros(n * G, C, dtype=torch.long, device=dev)
-    sampler_logp = torch.zeros(n * G, C, device=dev)
-    for b, g in enumerate(chosen):
-        prompt_ids[b, P - len(g.prompt):], prompt_mask[b, P - len(g.prompt):] = g.prompt, 1
-        for j, r in enumerate(g.rows):
-            L = len(r.ids)
-            completion_ids[b * G + j, :L], sampler_logp[b * G + j, :L] = r.ids, r.logps
-            completion_mask[b * G + j, :L] = 1
-    truncated = torch.tensor([not r.eos for g in chosen for r in g.rows], device=dev)
+    rows = [r for g in chosen for r in g.rows]  # (n*G,) row b*G + g
+    prompt_ids, prompt_mask = pad_rows([g.prompt for g in chosen], pool.pad, "left")  # (n, P)
+    completion_ids, completion_mask = pad_rows([r.ids for r in rows], pool.pad)  # (n*G, C)
+    sampler_logp = pad_sequence([r.logps for r in rows], batch_first=True)
+    truncated = torch.tensor([not r.eos for r in rows], device=prompt_ids.device)
     buf = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, group_size=G,
                completion_ids=completion_ids, completion_mask=completion_mask,
                truncated=truncated, sampler_logp=sampler_logp, decode=LAST.get("path"), waves=1)
     return buf, [g.pair for g in chosen], [step - g.step for g in chosen]
+
+
+def pad_rows(seqs, value, side="right"):
+    """1-D tensors padded into (len(seqs), longest) with value, and their (long) mask"""
+    ids = pad_sequence(seqs, batch_first=True, padding_value=value, padding_side=side)
+    ones = [torch.ones_like(s) for s in seqs]
+    return ids, pad_sequence(ones, batch_first=True, padding_side=side)
 
 
 def max_pool_rows(model, cfg):
