@@ -123,10 +123,10 @@ def parse_config(argv, defaults=None):
             cfg[key] = type(default)(v)
         else:
             cfg[key] = val
-    auto = str(cfg["vllm_importance_sampling_correction"]).lower()  # True | False | auto
+    auto = str(cfg.get("vllm_importance_sampling_correction")).lower()  # True | False | auto
     if auto in ("auto", "true", "1", "false", "0"):  # (anything else: check_config names it)
-        cfg["vllm_importance_sampling_correction"] = (cfg["max_staleness"] > 0 if auto == "auto"
-                                                      else auto in ("true", "1"))
+        cfg["vllm_importance_sampling_correction"] = (cfg.get("max_staleness", 0) > 0
+                                                      if auto == "auto" else auto in ("true", "1"))
     return SimpleNamespace(**cfg)
 
 
