@@ -57,8 +57,6 @@ class _ChunkedLogprobs(torch.autograd.Function):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dH = torch.zeros_like(hidden) if need_dh else None
         dW = torch.zeros_like(weight) if need_dw else None
-        if g_ent is not None and ent is None:
-            g_ent = None
         if g is None and g_ent is None:
             return dH, dW, None, None, None
         N, C = hidden.shape[0], _chunk_rows(weight.shape[0])
