@@ -1,8 +1,8 @@
 """
 Benchmark of logprobs.py's implementations: log-prob + entropy through the LM head, forward and
-backward (bf16 on a GPU, fp32 on a CPU) against a chunked fp32 (CPU: fp64) reference
-(logprobs.reference), the four cuBLAS GEMMs of each shape (the floor any recompute scheme pays) and
-Liger's fused loss if installed. Also the benchmarks' timing helpers (sync, free, time_ms).
+backward (bf16 on a GPU, fp32 on a CPU) against a chunked fp32 (CPU: fp64) reference (`reference`,
+also test_all's check), the four cuBLAS GEMMs of each shape (the floor any recompute scheme pays)
+and Liger's fused loss if installed. Also the benchmarks' timing helpers (sync, free, time_ms).
 
     python bench_logprobs.py [SHAPE ...]
 """
@@ -16,12 +16,39 @@ import torch
 if __name__ == "__main__" and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # a CPU runs the fused kernel interpreted
 
-from logprobs import reference, token_logprobs  # noqa: E402
+from logprobs import token_logprobs  # noqa: E402
 
 # a shape is (name, N tokens, H, V)
 GPU_SHAPES = [("Llama-3-8B", 16384, 4096, 128256), ("Qwen2.5-7B", 16384, 3584, 152064),
               ("Gemma-2-2B", 8192, 2304, 256000), ("Qwen2.5-0.5B", 32768, 896, 151936)]
 CPU_SHAPES = [("tiny-cpu", 256, 128, 4096)]  # the fused kernel runs interpreted here
+REF_ROWS = 1024  # reference chunk
+
+
+def reference(hidden, weight, targets, temperature, g, g_ent, dtype):
+    """logp, ent, dH, dW in `dtype` (fp32 on GPU without tf32, fp64 on CPU), rows in chunks."""
+    w = weight.to(dtype)
+    N = hidden.shape[0]
+    logp, ent = (torch.empty(N, dtype=dtype, device=w.device),
+                 torch.empty(N, dtype=dtype, device=w.device))
+    dH, dW = torch.empty(hidden.shape, dtype=dtype, device=w.device), torch.zeros_like(w)
+    for r0 in range(0, N, REF_ROWS):
+        sl = slice(r0, r0 + REF_ROWS)
+        h = hidden[sl].to(dtype)
+        z = h @ w.t() / temperature  # (C, V)
+        lse = torch.logsumexp(z, -1)
+        lp = z - lse[:, None]
+        p = lp.exp()
+        logp[sl] = lp.gather(1, targets[sl, None])[:, 0]
+        ent[sl] = -(p * lp).sum(-1)
+        dz = -g[sl, None].to(dtype) * p
+        dz.scatter_add_(1, targets[sl, None], g[sl, None].to(dtype))
+        dz -= g_ent[sl, None].to(dtype) * p * (lp + ent[sl, None])
+        dz /= temperature
+        dH[sl] = dz @ w
+        dW.addmm_(dz.t(), h)
+        del z, lp, p, dz
+    return logp, ent, dH, dW
 
 
 def liger_logprobs(hidden, weight, targets, temperature=1.0):

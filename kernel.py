@@ -1,10 +1,11 @@
 """
 Fused LM-head matmul + per-token log-prob + entropy in Triton, forward and backward (an autograd
 Function). Full fp32 logits (N x V, more than the model at RL batch sizes, copied by autograd) live
-here only in registers, a tile at a time. Torch references: logprobs.py's naive_logprobs, reference.
-Exact and reproducible: fp32 accumulation, fixed block sizes and no atomics give the same bits on a
-rerun. Left out: autotuning (the bits would depend on its pick) and skipping small gradients (not
-exact). Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 set before import (fp32/fp16).
+here only in registers, a tile at a time. Torch references: logprobs.py's naive_logprobs,
+bench_logprobs.py's reference. Exact and reproducible: fp32 accumulation, fixed block sizes and no
+atomics give the same bits on a rerun. Left out: autotuning (the bits would depend on its pick) and
+skipping small gradients (not exact). Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 set
+before import (fp32/fp16).
 """
 import os
 

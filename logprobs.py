@@ -6,7 +6,7 @@ Per-token log-probs and entropies of the LM head, three ways behind one signatur
              weight's dtype chunk by chunk, as in Liger. Runs anywhere: the CPU choice.
     fused    kernel.fused_logprobs: Triton, logits never leave registers, fp32 accumulation. Where
              it cannot run, a RuntimeError says to pass impl="chunked" (no silent fallback).
-`python bench_logprobs.py` benchmarks them against `reference` (fp32 on a GPU, fp64 on a CPU).
+`python bench_logprobs.py` benchmarks them against its `reference` (fp32 on a GPU, fp64 on a CPU).
 """
 import torch
 
@@ -100,31 +100,3 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, entropy=True, impl=
         raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
     return IMPLS[impl](hidden, weight, targets, temperature, entropy)
 
-
-REF_ROWS = 1024  # reference chunk
-
-
-def reference(hidden, weight, targets, temperature, g, g_ent, dtype):
-    """logp, ent, dH, dW in `dtype` (fp32 on GPU without tf32, fp64 on CPU), rows in chunks."""
-    w = weight.to(dtype)
-    N = hidden.shape[0]
-    logp, ent = (torch.empty(N, dtype=dtype, device=w.device),
-                 torch.empty(N, dtype=dtype, device=w.device))
-    dH, dW = torch.empty(hidden.shape, dtype=dtype, device=w.device), torch.zeros_like(w)
-    for r0 in range(0, N, REF_ROWS):
-        sl = slice(r0, r0 + REF_ROWS)
-        h = hidden[sl].to(dtype)
-        z = h @ w.t() / temperature  # (C, V)
-        lse = torch.logsumexp(z, -1)
-        lp = z - lse[:, None]
-        p = lp.exp()
-        logp[sl] = lp.gather(1, targets[sl, None])[:, 0]
-        ent[sl] = -(p * lp).sum(-1)
-        dz = -g[sl, None].to(dtype) * p
-        dz.scatter_add_(1, targets[sl, None], g[sl, None].to(dtype))
-        dz -= g_ent[sl, None].to(dtype) * p * (lp + ent[sl, None])
-        dz /= temperature
-        dH[sl] = dz @ w
-        dW.addmm_(dz.t(), h)
-        del z, lp, p, dz
-    return logp, ent, dH, dW
