@@ -5,8 +5,7 @@
    without a repeat, RoPE and the cache write inside) walks only the columns a row attends; a
    second kernel merges the splits by log-sum-exp:
        o = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),   M = max_s lse_s
-   Finished rows attend nothing. decode_attention_torch is the same in torch ops (CPU), and the
-   op nanogrpo::decode_attention runs either.
+   Finished rows attend nothing. The op nanogrpo::decode_attention runs it or its torch reference.
 2. Sampling without a host sync (torch.multinomial would sync): inverse-CDF Triton kernels
    (sample_triton, temperature only), or an exponential race in torch ops behind HF's warpers.
 3. A step's bookkeeping after sampling (record): one kernel, not a dozen small torch ops.
