@@ -12,7 +12,8 @@ import traceback
 import torch
 
 from kv_reuse import checkpointing_enable, completion_hidden
-from logprobs import free, time_ms, token_logprobs
+from bench_logprobs import free, time_ms
+from logprobs import token_logprobs
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

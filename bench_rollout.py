@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.testing
 
-from logprobs import sync
+from bench_logprobs import sync
 from rollout import LAST, generate_groups, kv_bytes_per_token
 
 CUDA = torch.cuda.is_available()

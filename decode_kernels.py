@@ -5,8 +5,7 @@
    without a repeat, RoPE and the cache write inside) walks only the columns a row attends; a
    second kernel merges the splits by log-sum-exp:
        o = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),   M = max_s lse_s
-   Finished rows attend nothing. decode_attention_torch is the same in torch ops (CPU), and the
-   op nanogrpo::decode_attention runs either.
+   Finished rows attend nothing. The op nanogrpo::decode_attention runs it or its torch reference.
 2. Sampling without a host sync (torch.multinomial would sync): inverse-CDF Triton kernels
    (sample_triton, temperature only), or an exponential race in torch ops behind HF's warpers.
 3. A step's bookkeeping after sampling (record): one kernel, not a dozen small torch ops.
@@ -41,8 +40,7 @@ def _wait_for_previous_kernel(USE_GDC: tl.constexpr):
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-# ----------------------------------------------------------------------------------------------
-# decode attention: Triton split-K kernel, merge kernel, torch reference
+# decode attention: Triton split-K kernel, merge kernel, torch reference ---------------------------
 @triton.jit
 def _attend_columns(k_ptr, v_ptr, base, stride_l, j_lo, j_hi, q, m_i, l_i, acc, qk_scale,
                     D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
@@ -273,8 +271,7 @@ def num_splits(n, kvh, device):
     return max(1, min(64, triton.next_power_of_2(math.ceil(SPLIT_WAVES * sms / (n * kvh)))))
 
 
-# ----------------------------------------------------------------------------------------------
-# sampling: inverse-CDF Triton kernels, torch reference (any warpers)
+# sampling: inverse-CDF Triton kernels, torch reference (any warpers) ------------------------------
 def sample(logits, warpers):
     """(n, V) logits -> (n,) tokens and their log-probs after the warpers (greedy: plain softmax).
     Exponential race: argmax_k p_k / E_k, E_k ~ Exp(1) iid, picks k with probability p_k (the min
@@ -353,8 +350,7 @@ def sample_triton(logits, seed, temperature, BLOCK_V=2048):
     return tok, logp
 
 
-# ----------------------------------------------------------------------------------------------
-# bookkeeping: what a decode step records after sampling, in one Triton kernel
+# bookkeeping: what a decode step records after sampling, in one Triton kernel ---------------------
 def record_torch(new, lp, sl, slot, ids, logps, keep, is_eos, pad):
     """new (n,) tokens, log-probs lp (n,) land at column slot + 1 of each slot's row in ids, logps,
     keep (N, T) (finished slots: pad, 0, False); an EOS draw (is_eos (V,)) finishes its slot;

@@ -1,10 +1,11 @@
 """
 Fused LM-head matmul + per-token log-prob + entropy in Triton, forward and backward (an autograd
 Function). Full fp32 logits (N x V, more than the model at RL batch sizes, copied by autograd) live
-here only in registers, a tile at a time. Torch references: logprobs.py's naive_logprobs, reference.
-Exact and reproducible: fp32 accumulation, fixed block sizes and no atomics give the same bits on a
-rerun. Left out: autotuning (the bits would depend on its pick) and skipping small gradients (not
-exact). Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 set before import (fp32/fp16).
+here only in registers, a tile at a time. Torch references: logprobs.py's naive_logprobs,
+bench_logprobs.py's reference. Exact and reproducible: fp32 accumulation, fixed block sizes and no
+atomics give the same bits on a rerun. Left out: autotuning (the bits would depend on its pick) and
+skipping small gradients (not exact). Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 set
+before import (fp32/fp16).
 """
 import os
 
@@ -165,8 +166,7 @@ def _bwd_dz_kernel(
     tl.store(ws_ptrs, dz.to(ws_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_v[None, :])
 
 
-# ------------------------------------------------------------------------------------------------
-# checks and launch glue
+# checks and launch glue ---------------------------------------------------------------------------
 def check_inputs(hidden, weight, targets, temperature):
     """Raise a ValueError saying what is wrong and what to pass instead (every impl calls this)."""
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
@@ -297,8 +297,6 @@ class _FusedLogprobs(torch.autograd.Function):
     def backward(ctx, g, g_ent):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if g_ent is not None and ent is None:
-            g_ent = None
         # An all-zero upstream grad does no work: one host sync, small next to the GEMMs.
         live = [x for x in (g, g_ent) if x is not None]
         nonzero = torch.stack([x.any() for x in live]).tolist() if live else []

@@ -142,27 +142,22 @@ AttentionInterface.register("nanogrpo_packed", packed_attention)
 
 
 @contextlib.contextmanager
-def using_packed_attention(model):
-    """inside, the model's attention is "nanogrpo_packed" (HF reads it per call)"""
-    impl, model.config._attn_implementation = model.config._attn_implementation, "nanogrpo_packed"
+def setting(obj, name, value):
+    """inside, obj's attribute `name` is value; its old value (False if none) is back on exit"""
+    old = getattr(obj, name, False)
+    setattr(obj, name, value)
     try:
         yield
     finally:
-        model.config._attn_implementation = impl
+        setattr(obj, name, old)
+
+
+def using_packed_attention(model):
+    """inside, the model's attention is "nanogrpo_packed" (HF reads it per call)"""
+    return setting(model.config, "_attn_implementation", "nanogrpo_packed")
 
 
 # the forward -----------------------------------------------------------------------------------
-@contextlib.contextmanager
-def hf_checkpointing_off(layer):
-    """inside, HF's checkpointing of the layer is off: packed_trunk checkpoints the call itself"""
-    on = getattr(layer, "gradient_checkpointing", False)
-    layer.gradient_checkpointing = False
-    try:
-        yield
-    finally:
-        layer.gradient_checkpointing = on
-
-
 def packed_trunk(model, ids, pos, seqs):
     """The decoder over one packed row: embeddings, every layer under the packed attention, the
     final norm -> (1, T, H). The layers are called here, each checkpointed here (with HF's
@@ -173,8 +168,8 @@ def packed_trunk(model, ids, pos, seqs):
     rope = trunk.rotary_emb(h, pos)  # (cos, sin), each (1, T, D)
     grad = torch.is_grad_enabled()
     for layer in trunk.layers:
-        def run(h, layer=layer):
-            with using_packed_attention(model), hf_checkpointing_off(layer):
+        def run(h, layer=layer):  # HF's checkpointing of the layer off: it is checkpointed here
+            with using_packed_attention(model), setting(layer, "gradient_checkpointing", False):
                 out = layer(h, attention_mask=seqs, position_ids=pos, position_embeddings=rope)
             return out[0] if isinstance(out, tuple) else out
         if getattr(layer, "gradient_checkpointing", False) and layer.training and grad:

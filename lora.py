@@ -5,12 +5,7 @@ where B starts at 0, so step 0 is the base model. Only A and B train (float32, i
 the base stays frozen in the run's dtype, with no float32 master copy. The adapters go into the HF
 model in place (peft.inject_adapter_in_model), so the policy keeps its class and
 `model.model.layers`, which kv_reuse, rollout and batching read; a PeftModel wrapper would hide
-them. The trainer uses:
-
-    add_lora(model, r, alpha, dropout, targets)  adapters in, all else frozen; forward lora_forward
-    effective_weight(linear)                     rollout's decode: W + (alpha/r) B A, folded once
-    disabled(model)                              the reference model for beta > 0: adapters off
-    save_adapter / load_adapter                  ckpt/ as a PEFT adapter directory
+them.
 """
 import contextlib
 import os

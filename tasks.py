@@ -156,8 +156,7 @@ def countdown_reward(completion, target):
     return (1.0 if correct else 0.1), correct
 
 
-# -------------------------------------------------------------------------------------------------
-# Dataset tasks: jsonl:PATH (one JSON object a line) and hf:NAME[:config] (through `datasets`).
+# Dataset tasks: jsonl:PATH (one JSON object a line) and hf:NAME[:config] (through `datasets`) -----
 QUESTION_KEYS = ("question", "prompt", "problem")  # the first one a row has is its question
 ANSWER_KEYS = ("answer", "solution", "target")
 
@@ -254,8 +253,7 @@ MAX_DIFFICULTY = {"arithmetic": 18, "countdown": 10}
 VERIFIERS = (arithmetic_reward, countdown_reward, dataset_reward)
 
 
-# -------------------------------------------------------------------------------------------------
-# What the trainer does with any task: the held-out split, the training prompts, the rewards.
+# What the trainer does with any task: the held-out split, the training prompts, the rewards -------
 EVAL_SEED = 10**9 + 7  # the held-out set's seed, one no training step uses (see step_seed)
 
 

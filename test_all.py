@@ -94,6 +94,7 @@ def assert_raises(exc, fn, match):
 
 import kernel as _kernel  # noqa: E402  (after TRITON_INTERPRET is set above)
 import logprobs as _logprobs  # noqa: E402
+import bench_logprobs  # noqa: E402  (its reference: the GPU checks' oracle)
 from kernel import fused_logprobs  # noqa: E402
 from logprobs import token_logprobs  # noqa: E402
 import config  # noqa: E402  (grpo's knobs and checks)
@@ -345,7 +346,7 @@ def test_kernel_int64_offsets_gpu():
     N, H, V = 16500, 64, 131072
     h, w, t, g, ge = _kl_data(N, H, V, torch.bfloat16, seed=12, scale=3.0)
     got = _kl_run(fused_logprobs, h, w, t, 1.0, g, ge)
-    want = _logprobs.reference(h.detach(), w.detach(), t, 1.0, g, ge, torch.float32)
+    want = bench_logprobs.reference(h.detach(), w.detach(), t, 1.0, g, ge, torch.float32)
     _kl_compare(got, want, 1e-5, 2e-2, "int64")
 
 
@@ -353,7 +354,7 @@ def test_kernel_int64_offsets_gpu():
 @gpu_only
 def test_kernel_bf16_grads_no_worse_than_naive_gpu():
     h, w, t, g, ge = _kl_data(2048, 1024, 32000, torch.bfloat16, seed=13, scale=4.0)
-    want = _logprobs.reference(h.detach(), w.detach(), t, 1.0, g, ge, torch.float64)
+    want = bench_logprobs.reference(h.detach(), w.detach(), t, 1.0, g, ge, torch.float64)
     fused = _kl_run(fused_logprobs, h, w, t, 1.0, g, ge)
     naive = _kl_run(lambda *a: token_logprobs(*a, impl="naive"), h, w, t, 1.0, g, ge)
     for i, n in enumerate(("logp", "ent", "dH", "dW")):
