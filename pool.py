@@ -21,7 +21,6 @@ the old weights, and memory held through the update.
 from types import SimpleNamespace
 
 import torch
-
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
@@ -36,13 +35,20 @@ def free_gpu_bytes(dev):
     return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
 
 
+def kv_budget(dev, kv_gib):
+    """the bytes of K/V the rollout may hold: kv_gib GiB, or 0 = 80% of the free GPU memory (None
+    on the CPU: no cap)"""
+    if kv_gib > 0:
+        return kv_gib * 2**30
+    return 0.8 * free_gpu_bytes(dev) if dev.type == "cuda" else None
+
+
 @torch.no_grad()
 def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature, top_p,
             eos_token_id, pad_token_id, compile=True, kv_gib=0.0):
     """Sample group_size completions per prompt -> the generation buffer (a dict). sampler_logp:
     the decode kernels' log-probs. Waves of at most kv_gib GiB of K/V (0: 80% of the free GPU)."""
-    auto = 0.8 * free_gpu_bytes(prompt_ids.device) if prompt_ids.is_cuda and kv_gib <= 0 else None
-    budget = kv_gib * 2**30 if kv_gib > 0 else auto
+    budget = kv_budget(prompt_ids.device, kv_gib)
     completion_ids, completion_mask, sampler_logp = generate_in_waves(  # (B*G, C) each
         model, prompt_ids, prompt_mask, group_size, max_completion_len, budget, eos_token_id,
         pad_token_id, temperature=temperature, top_p=top_p, compile=compile)
@@ -53,8 +59,6 @@ def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temp
                 completion_ids=completion_ids, completion_mask=completion_mask.long(),
                 truncated=~has_eos, sampler_logp=sampler_logp, decode=LAST["path"],
                 waves=LAST["waves"])
-
-
 
 
 def waves(B, G, P, T, kv_token, budget):
@@ -265,10 +269,7 @@ def max_pool_rows(model, cfg):
     completion columns the call's largest limit (C); None: no bound (the CPU, or the config lacks
     the fields)"""
     kv_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
-    dev = next(model.parameters()).device
-    budget = cfg.rollout_kv_gib * 2**30 if cfg.rollout_kv_gib > 0 else None
-    if budget is None and dev.type == "cuda":
-        budget = 0.8 * free_gpu_bytes(dev)
+    budget = kv_budget(next(model.parameters()).device, cfg.rollout_kv_gib)
     if budget is None or kv_token == 0:
         return None
     return int(budget // (kv_token * (cfg.max_prompt_len + 2 * cfg.max_completion_len)))
