@@ -206,12 +206,7 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
     if lengths is None:
         lens = torch.cat([prompt_mask.long().sum(1), completion_mask.long().sum(1)]).tolist()
         lengths = lens[:B], lens[B:]
-    p_len, c_len = lengths
-    if len(p_len) != B or len(c_len) != B * G or max(p_len) > P or max(c_len, default=0) > C:
-        raise ValueError(f"lengths do not fit the inputs: {len(p_len)} prompts of at most "
-                         f"{max(p_len)} for ({B}, {P}); {len(c_len)} completions for "
-                         f"({B * G}, {C})")
-    src, pos, doc, seg, out = pack_layout(p_len, c_len, P, C, G)  # host tensors: no read-back
+    src, pos, doc, seg, out = pack_layout(*lengths, P, C, G)  # host tensors: no read-back
     seqs = packed_sequences(doc, seg, prompt_ids.device)
     src, pos, out = (x.to(prompt_ids.device, non_blocking=True) for x in (src, pos, out))
     ids = torch.cat([prompt_ids.flatten(), completion_ids.flatten()])[src]  # (T,)
