@@ -24,7 +24,7 @@ from transformers.generation import logits_process
 
 import decode_kernels
 from decode_kernels import decode_attention_op, record, sample, sample_triton
-from kv_reuse import positions, reuse_unsupported, trim_left_padding
+from kv_reuse import positions, reuse_unsupported, setting, trim_left_padding
 from lora import effective_weight
 
 CUDA_GRAPH = True  # on CUDA: capture a decode step (forward + sampling) once, replay it per token
@@ -94,9 +94,8 @@ def hf_generate_groups(model, prompt_ids, prompt_mask, G, max_new_tokens, temper
     if temperature == 0:
         ids = ids.repeat_interleave(G, 0)
         logps = logps if logps is None else logps.repeat_interleave(G, 0)
-    is_eos = torch.isin(ids, eos)
-    ended = is_eos.long().cumsum(1)
-    keep = ((ended == 0) | ((ended == 1) & is_eos)).long()  # up to and including the first EOS
+    is_eos = torch.isin(ids, eos).long()
+    keep = (is_eos.cumsum(1) - is_eos == 0).long()  # no EOS before it: through the first EOS
     n = int(keep.sum(1).max())
     ids, keep = ids[:, :n].masked_fill(keep[:, :n] == 0, pad), keep[:, :n]
     return (ids, keep, logps[:, :n].masked_fill(keep == 0, 0)) if return_logprobs else (ids, keep)
@@ -118,13 +117,12 @@ AttentionInterface.register("nanogrpo_decode", decode_attention)
 @contextlib.contextmanager
 def using_decode_attention(model, st):
     """inside, the model's attention is "nanogrpo_decode" on state st (HF reads it per call)"""
-    impl, model.config._attn_implementation = model.config._attn_implementation, "nanogrpo_decode"
     DECODE_STATE.append(st)
     try:
-        yield
+        with setting(model.config, "_attn_implementation", "nanogrpo_decode"):
+            yield
     finally:
         DECODE_STATE.pop()
-        model.config._attn_implementation = impl
 
 
 def model_forward(model, tok, pos):
