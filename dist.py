@@ -146,6 +146,5 @@ def global_stats(totals, dev):
         if ks:
             v = torch.stack([totals[k].float() if k in totals else
                              torch.tensor(neutral, device=dev) for k in ks])
-            v = global_sum(v, op)
-            out.update(zip(ks, v))
+            out.update(zip(ks, global_sum(v, op)))
     return out

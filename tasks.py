@@ -318,13 +318,11 @@ def load_task(task, difficulty, eval_size, eval_file=""):
 
 def held_out_set(make_prompts, n, difficulty):
     """n distinct questions, which training never sees (a small difficulty has few questions)"""
-    out, seen = [], set()
+    out = {}  # question -> its example, the first drawn
     for q, t in make_prompts(50 * n, EVAL_SEED, difficulty):
-        if q not in seen:
-            seen.add(q)
-            out.append((q, t))
+        out.setdefault(q, t)
         if len(out) == n:
-            return out
+            return list(out.items())
     raise ValueError(f"--eval_size={n}: only {len(out)} distinct questions at "
                      f"difficulty={difficulty}: lower --eval_size or raise --difficulty")
 
