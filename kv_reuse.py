@@ -16,11 +16,9 @@ through the attention like any other token: no K/V copies, no cache.
     padded:  B*G*(P + C - 1) slots (every completion re-reads its prompt; rows padded)
     packed:  sum over groups of (p - 1) + the completions' real lengths
 
-The attention runs the row as variable-length sequences (flash varlen on a GPU): each prompt over
-itself, then each completion segment over [its prompt ++ itself], causal and aligned bottom-right
-(the segment's first query sees the whole prompt). The prompt's K/V are gathered once per segment,
-and autograd sums their G gradients back into the prompt. Left out: sliding-window and hybrid
-models, which take the padded full path (what HF runs).
+The attention runs the row as variable-length sequences (packed_sequences; flash varlen on a GPU),
+the prompt's K/V gathered once per completion segment: autograd sums their G gradients back into
+the prompt. Left out: sliding-window and hybrid models, which take the padded full path (as HF).
 """
 import contextlib
 import functools
@@ -232,8 +230,7 @@ def micro_batches(prompt_mask, completion_mask, group_size, micro_batch_tokens, 
 
 
 def split_runs(n, cost, budget):
-    """items 0..n-1 cut greedily into runs [i0, i1) with cost(i0, i1) <= budget (a lone item over
-    it gets its own run)"""
+    """items 0..n-1 cut greedily into runs [i0, i1) of cost(i0, i1) <= budget, or of one item"""
     out, i0 = [], 0
     for i in range(1, n):
         if cost(i0, i + 1) > budget:
@@ -256,8 +253,7 @@ def token_slots(prompt_mask, completion_mask, group_size, packed):
 
 # helpers: which models, positions, input checks, compiled pieces, checkpointing ----------------
 def positions(mask):
-    """Position ids for a left-padded 2D mask, as HF generate makes them: the k-th real token
-    (from 0) gets k, padding 0."""
+    """Position ids for a left-padded 2D mask, as HF generate makes them (padding: 0)."""
     pos = mask.long().cumsum(-1) - 1
     return pos.masked_fill(mask == 0, 0)
 
