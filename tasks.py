@@ -164,8 +164,7 @@ ANSWER_KEYS = ("answer", "solution", "target")
 def dataset_answer(example):
     """a row's reference answer: GSM8K's "...reasoning...\n#### 1,234" -> "1234", else the field"""
     a = str(next(example[k] for k in ANSWER_KEYS if k in example))
-    if "####" in a:
-        a = a.rsplit("####", 1)[1]
+    a = a.rsplit("####", 1)[-1]  # GSM8K's final answer, or the whole field
     return a.strip().replace(",", "") if re.fullmatch(r"\s*-?[\d,]*\.?\d+\s*", a) else a.strip()
 
 
