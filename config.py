@@ -148,8 +148,7 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
        for k in ("weight_decay", "epsilon_high", "overlong_penalty_factor")},
     "grad_clip": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no clipping)"),
     "epsilon": (lambda v: 0 <= v <= 1, "in [0, 1] (the ratio is clipped below at 1 - epsilon)"),
-    "beta": (lambda v: finite(v) and v >= 0,
-             "finite and >= 0 (0 = no KL term, no reference model)"),
+    "beta": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no KL, no reference model)"),
     "top_p": (lambda v: 0 < v <= 1,
               "in (0, 1] (0 would keep only the most likely token: a group of one answer)"),
     "max_minutes": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no limit)"),
@@ -215,8 +214,7 @@ def check_config(cfg):
                    f"trains the groups that complete, it does not draw again; use one of them"]
     if cfg.soft_punish_cache >= cfg.max_completion_len:
         errors += [f"--soft_punish_cache={cfg.soft_punish_cache}: must be < --max_completion_len="
-                   f"{cfg.max_completion_len} (the penalty ramps over that many tokens before the "
-                   f"cap)"]
+                   f"{cfg.max_completion_len} (the penalty ramps over that many tokens before it)"]
     errors += check_task(cfg.task, cfg.eval_file)
     try:  # parses the weights and imports each --reward, so that a bad one is said now
         make_reward(None, cfg.reward, cfg.reward_weights)
@@ -239,8 +237,7 @@ def check_config(cfg):
     if not cfg.out_dir:
         errors += ["--out_dir='': name a directory"]
     if cfg.resume and cfg.overwrite:
-        errors += ["--resume=True and --overwrite=True: continue the run in out_dir, or replace "
-                   "it, not both"]
+        errors += ["--resume=True and --overwrite=True: continue the run or replace it, not both"]
     elif cfg.resume and not os.path.isdir(cfg.out_dir):
         errors += [f"--resume=True but there is no --out_dir={cfg.out_dir!r} to resume"]
     for t in cfg.report_to.split(","):  # each tracker is an optional extra
@@ -386,8 +383,7 @@ def fit_errors(cfg, n_params, world, sharded, gpu_bytes, kv_token):
                 f"memory"]
     if need <= gpu_bytes:
         return []
-    what = (f"{n_params / 1e9:.1f}B parameters need {need / 2**30:.0f} GiB of GPU memory before "
-            f"any activation")
+    what = f"{n_params / 1e9:.1f}B parameters need {need / 2**30:.0f} GiB before any activation"
     if cfg.lora_r:
         return [f"--model={cfg.model!r} with --lora_r={cfg.lora_r}: {what} (the frozen base in "
                 f"{cfg.dtype}); {have}. Use a smaller model or a GPU with more memory (LoRA under "
