@@ -158,9 +158,8 @@ def using_packed_attention(model):
 # the forward -----------------------------------------------------------------------------------
 def packed_trunk(model, ids, pos, seqs):
     """The decoder over one packed row: embeddings, every layer under the packed attention, the
-    final norm -> (1, T, H). The layers are called here, each checkpointed here (with HF's
-    checkpoint function and its settings) when the model checkpoints: a recompute in backward then
-    runs under the packed attention again."""
+    final norm -> (1, T, H). A checkpointing model's layers are checkpointed here (HF's function
+    and settings), so that a recompute in backward runs under the packed attention again."""
     trunk = model.model
     h = trunk.embed_tokens(ids)  # (1, T, H)
     rope = trunk.rotary_emb(h, pos)  # (cos, sin), each (1, T, D)
@@ -333,8 +332,7 @@ def compiled_pieces(model):
 
 
 def checkpointing_enable(model, use_reentrant=False):
-    """Gradient checkpointing, non-reentrant by default (torch's advice). Newer
-    transformers renamed gradient_checkpointing_enable to activation_checkpointing_enable."""
+    """Gradient checkpointing, non-reentrant by default (torch's advice), by either HF name."""
     enable = getattr(model, "activation_checkpointing_enable", None)
     enable = enable or model.gradient_checkpointing_enable
     enable({"use_reentrant": use_reentrant})
