@@ -22,8 +22,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.generation import logits_process
 
-import decode_kernels
-from decode_kernels import decode_attention_op, record, sample, sample_triton
+from decode_kernels import decode_attention_op, record, rope_torch, sample, sample_triton
 from kv_reuse import positions, reuse_unsupported, setting, trim_left_padding
 from lora import effective_weight
 
@@ -164,10 +163,17 @@ def project(x, w, b, norm=None, act=None, residual=None):
 
 
 def rope_in_attention(model):
-    """whether apply_rotary_pos_emb is rope_torch's formula: then the attention op applies RoPE"""
+    """whether the model's apply_rotary_pos_emb gives rope_torch's bits on random heads (a partial
+    or interleaved rotary, or another signature, does not): then the attention op applies RoPE"""
     attn = model.model.layers[0].self_attn
     apply = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
-    return decode_kernels.rope_matches(apply, attn.head_dim)
+    g = torch.Generator().manual_seed(0)
+    q, k, cos, sin = (torch.randn(2, n, 1, attn.head_dim, generator=g) for n in (3, 2, 1, 1))
+    try:
+        return all(torch.equal(a, rope_torch(b, cos[:, 0], sin[:, 0]))
+                   for a, b in zip(apply(q, k, cos[:, 0], sin[:, 0]), (q, k)))
+    except Exception:
+        return False
 
 
 def attention_inputs(layer, h, w_qkv, b_qkv, rope_attn, cos, sin):
