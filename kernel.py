@@ -297,15 +297,13 @@ class _FusedLogprobs(torch.autograd.Function):
         # An all-zero upstream grad does no work: one host sync, small next to the GEMMs.
         live = [x for x in (g, g_ent) if x is not None]
         nonzero = torch.stack([x.any() for x in live]).tolist() if live else []
-        if g is not None and not nonzero.pop(0):
-            g = None
-        if g_ent is not None and not nonzero.pop(0):
-            g_ent = None
+        if g is not None:
+            g = g.contiguous().float() if nonzero.pop(0) else None
+        if g_ent is not None:
+            g_ent = g_ent.contiguous().float() if nonzero.pop(0) else None
         if hidden.shape[0] == 0 or (g is None and g_ent is None):
             return (torch.zeros_like(hidden) if need_dh else None,
                     torch.zeros_like(weight) if need_dw else None, None, None, None)
-        g = g.contiguous().float() if g is not None else None
-        g_ent = g_ent.contiguous().float() if g_ent is not None else None
         dH, dW = _backward(hidden, weight, targets, lse, ent, g, g_ent, ctx.temperature,
                            need_dh, need_dw)
         return dH, dW, None, None, None
