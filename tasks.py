@@ -197,9 +197,9 @@ def dataset_question(example):
 
 
 def read_rows(spec, split="train"):
-    """the rows (dicts) of jsonl:PATH or hf:NAME[:config]; a ValueError names a bad line or field"""
-    if spec.startswith("jsonl:"):
-        path, rows = spec[6:], []
+    """the rows of [jsonl:]PATH or hf:NAME[:config]; a ValueError names a bad line or field"""
+    if not spec.startswith("hf:"):
+        path, rows = spec.removeprefix("jsonl:"), []
         with open(os.path.expanduser(path)) as f:
             lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
         for i, line in lines:
@@ -227,8 +227,6 @@ def dataset_task(spec, eval_size, eval_file=""):
     else eval_size rows drawn with EVAL_SEED (any --seed); training samples the rest, replaced"""
     rows = read_rows(spec)
     if eval_file:
-        if not eval_file.startswith(("jsonl:", "hf:")):
-            eval_file = "jsonl:" + eval_file
         held, train = read_rows(eval_file, split="test")[:eval_size], rows
     else:
         if len(rows) <= eval_size:
