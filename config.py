@@ -170,6 +170,7 @@ FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite",  #
              "reward_weights", "dynamic_sampling",  # bools
              "deterministic", "compile", "lora_target_modules", "report_to")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+AUTO_TOKENS = 32768  # the largest micro-batch auto picks, and the CPU's
 
 
 def check_model(name):
@@ -305,9 +306,6 @@ def lora_errors(cfg, world):
                    f"frozen base per rank, the adapters' gradients all-reduced); LoRA under FSDP2 "
                    f"is not supported yet"]
     return errors
-
-
-AUTO_TOKENS = 32768  # the largest micro-batch auto picks, and the CPU's
 
 
 def default_plan(cfg, world):

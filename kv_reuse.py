@@ -34,6 +34,9 @@ from transformers import AttentionInterface
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # full-attention decoders we have checked
 PROMPT = -1  # seg of a prompt token
+# torch 2.11 and 2.13 spell causal and GQA differently; older flash takes K/V heads as they are
+VARLEN_ARGS = inspect.signature(varlen_attn).parameters
+CAUSAL = {"window_size": (-1, 0)} if "window_size" in VARLEN_ARGS else {"is_causal": True}
 
 
 # the packed row: its layout, its sequences, its attention --------------------------------------
@@ -105,11 +108,6 @@ def varlen_torch(q, k, v, m, scale, gqa):
             q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1),
             attn_mask=mask, scale=scale, enable_gqa=gqa).transpose(0, 1))
     return torch.cat(out)
-
-
-# torch 2.11 and 2.13 spell causal and GQA differently; older flash takes K/V heads as they are
-VARLEN_ARGS = inspect.signature(varlen_attn).parameters
-CAUSAL = {"window_size": (-1, 0)} if "window_size" in VARLEN_ARGS else {"is_causal": True}
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
