@@ -233,8 +233,7 @@ def check_config(cfg):
         errors += [f"--device={cfg.device!r}: there are {torch.cuda.device_count()} CUDA devices"]
     gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.logprob_impl == "fused" and not gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        errors += ["--logprob_impl='fused' on the CPU runs only under TRITON_INTERPRET=1 (slowly): "
-                   "use chunked"]
+        errors += ["--logprob_impl='fused' on the CPU needs TRITON_INTERPRET=1 (slow): use chunked"]
     if not cfg.out_dir:
         errors += ["--out_dir='': name a directory"]
     if cfg.resume and cfg.overwrite:

@@ -173,9 +173,8 @@ def check_inputs(hidden, weight, targets, temperature):
         raise ValueError(f"weight must be (V, H) like lm_head.weight, "
                          f"got shape {tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden (..., H) must have H = weight.shape[1] = {weight.shape[1]}, "
-                         f"got shape {tuple(hidden.shape)}; "
-                         f"pass lm_head.weight (V, H), not its transpose")
+        raise ValueError(f"hidden (..., H) must have H = weight.shape[1] = {weight.shape[1]}, got "
+                         f"shape {tuple(hidden.shape)}; pass lm_head.weight, not its transpose")
     if hidden.dtype != weight.dtype or hidden.dtype not in CONFIGS:
         raise ValueError(f"hidden and weight must share one dtype of float32/float16/bfloat16, got "
                          f"{hidden.dtype} and {weight.dtype}; cast one to the other")
@@ -195,9 +194,8 @@ def check_inputs(hidden, weight, targets, temperature):
     if targets.numel() > 0:
         lo, hi = torch.stack(torch.aminmax(targets)).tolist()  # one host sync
         if lo < 0 or hi >= V:
-            raise ValueError(f"targets must be in [0, V={V}), got values in [{lo}, {hi}]; "
-                             f"mask padding ids (e.g. -100) to a valid id and drop them "
-                             f"from the loss")
+            raise ValueError(f"targets must be in [0, V={V}), got values in [{lo}, {hi}]; mask "
+                             f"padding ids (e.g. -100) to a valid id and drop them from the loss")
 
 
 def _launch_args(hidden, weight):

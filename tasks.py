@@ -299,8 +299,7 @@ def check_task(task, eval_file=""):
             errors.append(f"--{flag}={spec!r}: use one of {', '.join(TASKS)}, jsonl:PATH or "
                           f"hf:NAME[:config]")
     if eval_file and task in TASKS:
-        errors.append(f"--eval_file={eval_file!r}: only a dataset task (jsonl: / hf:) takes a "
-                      f"held-out file")
+        errors.append(f"--eval_file={eval_file!r}: only a dataset task (jsonl:/hf:) takes one")
     return errors
 
 
