@@ -366,10 +366,8 @@ def read_log(path, step):
             records.append(json.loads(line))
         except json.JSONDecodeError as e:
             if i < len(lines) - 1:
-                raise ValueError(f"{path} line {i + 1} is not JSON ({e}): fix or remove that "
-                                 f"line") from None
-            print(f"{path}: dropping its cut last line ({len(line)} characters; killed while "
-                  f"writing it)")
+                raise ValueError(f"{path} line {i + 1} is not JSON ({e}): fix or drop it") from None
+            print(f"{path}: dropping its cut last line ({len(line)} characters, killed mid-write)")
     return [r for r in records if r["step"] <= step]
 
 
