@@ -245,8 +245,7 @@ def check_config(cfg):
             errors += [f"--report_to={cfg.report_to!r}: use none, tensorboard, wandb or "
                        f"tensorboard,wandb"]
         elif t != "none" and importlib.util.find_spec(t) is None:
-            errors += [f"--report_to={cfg.report_to!r} needs {t}, which is not installed: "
-                       f"pip install {t}"]
+            errors += [f"--report_to={cfg.report_to!r} needs {t}, not installed: pip install {t}"]
     errors += check_model(cfg.model) + lora_errors(cfg, world)
     if errors:
         raise ValueError("bad config:\n  " + "\n  ".join(errors))

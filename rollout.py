@@ -258,8 +258,7 @@ def forward_compiled_or_not(model, fn, *args):
             first = next((line for line in str(e).splitlines() if line.strip()), "")
             UNCOMPILABLE[model] = f"{type(e).__name__}: {first[:200]}"
             print(f"rollout: torch.compile cannot compile {fn.__name__} for this model "
-                  f"({UNCOMPILABLE[model]}); decoding with the uncompiled forward "
-                  f"(CUDA graphs still on)", flush=True)
+                  f"({UNCOMPILABLE[model]}); decoding uncompiled (CUDA graphs on)", flush=True)
     return fn(*args)
 
 
