@@ -252,6 +252,7 @@ VERIFIERS = (arithmetic_reward, countdown_reward, dataset_reward)
 
 # What the trainer does with any task: the held-out split, the training prompts, the rewards -------
 EVAL_SEED = 10**9 + 7  # the held-out set's seed, one no training step uses (see step_seed)
+FILE_MODULES = {}  # real path -> module: a file's code runs once, though the config check loads it
 
 
 def step_seed(seed, step, draw=0):
@@ -342,9 +343,6 @@ def train_prompts(make_prompts, n, seed, difficulty, exclude):
             return out[:n]
     raise ValueError(f"the held-out set leaves too few training questions at "
                      f"difficulty={difficulty}: lower --eval_size")
-
-
-FILE_MODULES = {}  # real path -> module: a file's code runs once, though the config check loads it
 
 
 def load_reward(spec):
