@@ -411,14 +411,13 @@ def update_step(model, optimizer, buf, mbs, cfg, master=None):
             for m, p in zip(master, model.parameters()):
                 p.copy_(m)
     # 5. one host sync; weighted sums become means (nan: no pass had a loss token)
-    keys = list(totals)
-    numbers = [totals[k].float() for k in keys]
+    numbers = [totals[k].float() for k in totals]
     numbers += [loss_total.float(), w_sum, grad_norm.float().to(w_sum.device)]
     numbers += [real.float(), slots.float()]
     *values, loss, w_sum, grad_norm, real, slots = torch.stack(numbers).tolist()
     out = dict.fromkeys(("clip_low", "clip_high", "clip_ratio", "entropy", "ratio_mean",
                          "ratio_dev_max"), math.nan)
-    for k, v in zip(keys, values):
+    for k, v in zip(totals, values):
         out[k] = v / max(w_sum, 1e-12) if stat_op(k) == "sum" else v
     pad = 1 - real / slots if slots else 0.0  # padding's share of the passes' slots (not FSDP2's)
     return dict(out, loss=loss, grad_norm=grad_norm, micro_batches=passes, padding_frac=pad)

@@ -139,8 +139,7 @@ def save_checkpoint(cfg, model, master, tokenizer, optimizer, step, pool=None):
         weights = get_model_state_dict(model, options=options)
         names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
         weights = {k: v for k, v in weights.items() if k in names}
-    final = os.path.join(cfg.out_dir, "ckpt")
-    tmp, old = final + ".tmp", final + ".old"
+    tmp = os.path.join(cfg.out_dir, "ckpt.tmp")
     if rank() == 0:
         recover_checkpoint(cfg.out_dir)  # no ckpt.tmp or ckpt.old left in the way
         if sharded:  # the float32 shards are the weights (a bf16 run's masters)
@@ -167,10 +166,7 @@ def save_checkpoint(cfg, model, master, tokenizer, optimizer, step, pool=None):
     path = os.path.join(tmp, "trainer_state.pt")
     torch.save(state, path + ".part")
     os.replace(path + ".part", path)  # tmp is complete from here on
-    if os.path.exists(final):
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    recover_checkpoint(cfg.out_dir)  # swaps it in as ckpt, the old one out
 
 
 def local_optimizer_state(optimizer):
@@ -370,10 +366,8 @@ def read_log(path, step):
             records.append(json.loads(line))
         except json.JSONDecodeError as e:
             if i < len(lines) - 1:
-                raise ValueError(f"{path} line {i + 1} is not JSON ({e}): fix or remove that "
-                                 f"line") from None
-            print(f"{path}: dropping its cut last line ({len(line)} characters; killed while "
-                  f"writing it)")
+                raise ValueError(f"{path} line {i + 1} is not JSON ({e}): fix or drop it") from None
+            print(f"{path}: dropping its cut last line ({len(line)} characters, killed mid-write)")
     return [r for r in records if r["step"] <= step]
 
 

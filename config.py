@@ -148,8 +148,7 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
        for k in ("weight_decay", "epsilon_high", "overlong_penalty_factor")},
     "grad_clip": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no clipping)"),
     "epsilon": (lambda v: 0 <= v <= 1, "in [0, 1] (the ratio is clipped below at 1 - epsilon)"),
-    "beta": (lambda v: finite(v) and v >= 0,
-             "finite and >= 0 (0 = no KL term, no reference model)"),
+    "beta": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no KL, no reference model)"),
     "top_p": (lambda v: 0 < v <= 1,
               "in (0, 1] (0 would keep only the most likely token: a group of one answer)"),
     "max_minutes": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no limit)"),
@@ -171,6 +170,7 @@ FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite",  #
              "reward_weights", "dynamic_sampling",  # bools
              "deterministic", "compile", "lora_target_modules", "report_to")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+AUTO_TOKENS = 32768  # the largest micro-batch auto picks, and the CPU's
 
 
 def check_model(name):
@@ -215,8 +215,7 @@ def check_config(cfg):
                    f"trains the groups that complete, it does not draw again; use one of them"]
     if cfg.soft_punish_cache >= cfg.max_completion_len:
         errors += [f"--soft_punish_cache={cfg.soft_punish_cache}: must be < --max_completion_len="
-                   f"{cfg.max_completion_len} (the penalty ramps over that many tokens before the "
-                   f"cap)"]
+                   f"{cfg.max_completion_len} (the penalty ramps over that many tokens before it)"]
     errors += check_task(cfg.task, cfg.eval_file)
     try:  # parses the weights and imports each --reward, so that a bad one is said now
         make_reward(None, cfg.reward, cfg.reward_weights)
@@ -234,13 +233,11 @@ def check_config(cfg):
         errors += [f"--device={cfg.device!r}: there are {torch.cuda.device_count()} CUDA devices"]
     gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.logprob_impl == "fused" and not gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        errors += ["--logprob_impl='fused' on the CPU runs only under TRITON_INTERPRET=1 (slowly): "
-                   "use chunked"]
+        errors += ["--logprob_impl='fused' on the CPU needs TRITON_INTERPRET=1 (slow): use chunked"]
     if not cfg.out_dir:
         errors += ["--out_dir='': name a directory"]
     if cfg.resume and cfg.overwrite:
-        errors += ["--resume=True and --overwrite=True: continue the run in out_dir, or replace "
-                   "it, not both"]
+        errors += ["--resume=True and --overwrite=True: continue the run or replace it, not both"]
     elif cfg.resume and not os.path.isdir(cfg.out_dir):
         errors += [f"--resume=True but there is no --out_dir={cfg.out_dir!r} to resume"]
     for t in cfg.report_to.split(","):  # each tracker is an optional extra
@@ -248,8 +245,7 @@ def check_config(cfg):
             errors += [f"--report_to={cfg.report_to!r}: use none, tensorboard, wandb or "
                        f"tensorboard,wandb"]
         elif t != "none" and importlib.util.find_spec(t) is None:
-            errors += [f"--report_to={cfg.report_to!r} needs {t}, which is not installed: "
-                       f"pip install {t}"]
+            errors += [f"--report_to={cfg.report_to!r} needs {t}, not installed: pip install {t}"]
     errors += check_model(cfg.model) + lora_errors(cfg, world)
     if errors:
         raise ValueError("bad config:\n  " + "\n  ".join(errors))
@@ -308,9 +304,6 @@ def lora_errors(cfg, world):
                    f"frozen base per rank, the adapters' gradients all-reduced); LoRA under FSDP2 "
                    f"is not supported yet"]
     return errors
-
-
-AUTO_TOKENS = 32768  # the largest micro-batch auto picks, and the CPU's
 
 
 def default_plan(cfg, world):
@@ -386,8 +379,7 @@ def fit_errors(cfg, n_params, world, sharded, gpu_bytes, kv_token):
                 f"memory"]
     if need <= gpu_bytes:
         return []
-    what = (f"{n_params / 1e9:.1f}B parameters need {need / 2**30:.0f} GiB of GPU memory before "
-            f"any activation")
+    what = f"{n_params / 1e9:.1f}B parameters need {need / 2**30:.0f} GiB before any activation"
     if cfg.lora_r:
         return [f"--model={cfg.model!r} with --lora_r={cfg.lora_r}: {what} (the frozen base in "
                 f"{cfg.dtype}); {have}. Use a smaller model or a GPU with more memory (LoRA under "

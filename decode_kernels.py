@@ -204,18 +204,6 @@ def rope_torch(x, cos, sin):
     return (x * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
 
 
-def rope_matches(apply, D):
-    """whether apply(q, k, cos, sin) (a model's apply_rotary_pos_emb) gives rope_torch's bits on
-    random heads of D columns (a partial or interleaved rotary, or another signature, does not)"""
-    g = torch.Generator().manual_seed(0)
-    q, k, cos, sin = (torch.randn(2, heads, 1, D, generator=g) for heads in (3, 2, 1, 1))
-    try:
-        return all(torch.equal(a, rope_torch(b, cos[:, 0], sin[:, 0]))
-                   for a, b in zip(apply(q, k, cos[:, 0], sin[:, 0]), (q, k)))
-    except Exception:
-        return False
-
-
 def decode_attention_torch(q, k_new, v_new, layer, st, scale):
     """the reference, and the CPU path: decode_attention_triton in plain torch ops, reading the
     whole cache under a mask (q and k_new come rotated already)"""

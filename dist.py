@@ -131,14 +131,12 @@ def all_ranks(x):
 
 
 def stat_op(key):
-    """how a logged stat combines over micro-batches, updates and ranks: max, min, or a sum (of
-    weighted values, normalized last)"""
+    """how a logged stat combines over passes, updates and ranks: max, min, or a weighted sum"""
     return "max" if key.endswith("_max") else "min" if key.endswith("_min") else "sum"
 
 
 def global_stats(totals, dev):
-    """batching.update_step's stats over all ranks, by stat_op (a rank without a key joins with the
-    neutral value)"""
+    """update_step's stats over all ranks by stat_op (a rank without a key adds a neutral value)"""
     keys = sorted({k for ks in all_ranks(sorted(totals)) for k in ks})
     out = {}
     for op, neutral in (("max", -math.inf), ("min", math.inf), ("sum", 0.0)):
@@ -146,6 +144,5 @@ def global_stats(totals, dev):
         if ks:
             v = torch.stack([totals[k].float() if k in totals else
                              torch.tensor(neutral, device=dev) for k in ks])
-            v = global_sum(v, op)
-            out.update(zip(ks, v))
+            out.update(zip(ks, global_sum(v, op)))
     return out

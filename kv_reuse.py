@@ -16,11 +16,9 @@ through the attention like any other token: no K/V copies, no cache.
     padded:  B*G*(P + C - 1) slots (every completion re-reads its prompt; rows padded)
     packed:  sum over groups of (p - 1) + the completions' real lengths
 
-The attention runs the row as variable-length sequences (flash varlen on a GPU): each prompt over
-itself, then each completion segment over [its prompt ++ itself], causal and aligned bottom-right
-(the segment's first query sees the whole prompt). The prompt's K/V are gathered once per segment,
-and autograd sums their G gradients back into the prompt. Left out: sliding-window and hybrid
-models, which take the padded full path (what HF runs).
+The attention runs the row as variable-length sequences (packed_sequences; flash varlen on a GPU),
+the prompt's K/V gathered once per completion segment: autograd sums their G gradients back into
+the prompt. Left out: sliding-window and hybrid models, which take the padded full path (as HF).
 """
 import contextlib
 import functools
@@ -36,6 +34,9 @@ from transformers import AttentionInterface
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # full-attention decoders we have checked
 PROMPT = -1  # seg of a prompt token
+# torch 2.11 and 2.13 spell causal and GQA differently; older flash takes K/V heads as they are
+VARLEN_ARGS = inspect.signature(varlen_attn).parameters
+CAUSAL = {"window_size": (-1, 0)} if "window_size" in VARLEN_ARGS else {"is_causal": True}
 
 
 # the packed row: its layout, its sequences, its attention --------------------------------------
@@ -109,11 +110,6 @@ def varlen_torch(q, k, v, m, scale, gqa):
     return torch.cat(out)
 
 
-# torch 2.11 and 2.13 spell causal and GQA differently; older flash takes K/V heads as they are
-VARLEN_ARGS = inspect.signature(varlen_attn).parameters
-CAUSAL = {"window_size": (-1, 0)} if "window_size" in VARLEN_ARGS else {"is_causal": True}
-
-
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      **kwargs):
     """HF attention "nanogrpo_packed": (1, h, T, D) queries over (1, kvh, T, D) keys and values,
@@ -160,9 +156,8 @@ def using_packed_attention(model):
 # the forward -----------------------------------------------------------------------------------
 def packed_trunk(model, ids, pos, seqs):
     """The decoder over one packed row: embeddings, every layer under the packed attention, the
-    final norm -> (1, T, H). The layers are called here, each checkpointed here (with HF's
-    checkpoint function and its settings) when the model checkpoints: a recompute in backward then
-    runs under the packed attention again."""
+    final norm -> (1, T, H). A checkpointing model's layers are checkpointed here (HF's function
+    and settings), so that a recompute in backward runs under the packed attention again."""
     trunk = model.model
     h = trunk.embed_tokens(ids)  # (1, T, H)
     rope = trunk.rotary_emb(h, pos)  # (cos, sin), each (1, T, D)
@@ -206,12 +201,7 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
     if lengths is None:
         lens = torch.cat([prompt_mask.long().sum(1), completion_mask.long().sum(1)]).tolist()
         lengths = lens[:B], lens[B:]
-    p_len, c_len = lengths
-    if len(p_len) != B or len(c_len) != B * G or max(p_len) > P or max(c_len, default=0) > C:
-        raise ValueError(f"lengths do not fit the inputs: {len(p_len)} prompts of at most "
-                         f"{max(p_len)} for ({B}, {P}); {len(c_len)} completions for "
-                         f"({B * G}, {C})")
-    src, pos, doc, seg, out = pack_layout(p_len, c_len, P, C, G)  # host tensors: no read-back
+    src, pos, doc, seg, out = pack_layout(*lengths, P, C, G)  # host tensors: no read-back
     seqs = packed_sequences(doc, seg, prompt_ids.device)
     src, pos, out = (x.to(prompt_ids.device, non_blocking=True) for x in (src, pos, out))
     ids = torch.cat([prompt_ids.flatten(), completion_ids.flatten()])[src]  # (T,)
@@ -237,8 +227,7 @@ def micro_batches(prompt_mask, completion_mask, group_size, micro_batch_tokens, 
 
 
 def split_runs(n, cost, budget):
-    """items 0..n-1 cut greedily into runs [i0, i1) with cost(i0, i1) <= budget (a lone item over
-    it gets its own run)"""
+    """items 0..n-1 cut greedily into runs [i0, i1) of cost(i0, i1) <= budget, or of one item"""
     out, i0 = [], 0
     for i in range(1, n):
         if cost(i0, i + 1) > budget:
@@ -261,8 +250,7 @@ def token_slots(prompt_mask, completion_mask, group_size, packed):
 
 # helpers: which models, positions, input checks, compiled pieces, checkpointing ----------------
 def positions(mask):
-    """Position ids for a left-padded 2D mask, as HF generate makes them: the k-th real token
-    (from 0) gets k, padding 0."""
+    """Position ids for a left-padded 2D mask, as HF generate makes them (padding: 0)."""
     pos = mask.long().cumsum(-1) - 1
     return pos.masked_fill(mask == 0, 0)
 
@@ -342,8 +330,7 @@ def compiled_pieces(model):
 
 
 def checkpointing_enable(model, use_reentrant=False):
-    """Gradient checkpointing, non-reentrant by default (torch's advice). Newer
-    transformers renamed gradient_checkpointing_enable to activation_checkpointing_enable."""
+    """Gradient checkpointing, non-reentrant by default (torch's advice), by either HF name."""
     enable = getattr(model, "activation_checkpointing_enable", None)
     enable = enable or model.gradient_checkpointing_enable
     enable({"use_reentrant": use_reentrant})

@@ -34,7 +34,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, temperature, entropy):
         # hidden (N, H), weight (V, H), targets (N,) int64
         ctx.set_materialize_grads(False)
-        N, C = hidden.shape[0], _chunk_rows(weight.shape[0])
+        N, C = hidden.shape[0], max(1, CHUNK_BYTES // (4 * weight.shape[0]))  # (C, V) fp32
         logp = hidden.new_empty(N, dtype=torch.float32)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if entropy else None
@@ -48,6 +48,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 ent[r0:r0 + C] = -(logp_all.exp() * logp_all).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.temperature = temperature
+        ctx.chunk = C
         return logp, ent
 
     @staticmethod
@@ -59,7 +60,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         dW = torch.zeros_like(weight) if need_dw else None
         if g is None and g_ent is None:
             return dH, dW, None, None, None
-        N, C = hidden.shape[0], _chunk_rows(weight.shape[0])
+        N, C = hidden.shape[0], ctx.chunk
         for r0 in range(0, N, C):
             h_c, sl = hidden[r0:r0 + C], slice(r0, r0 + C)
             logp_all = _logits(h_c, weight, T) - lse[sl, None]  # (C, V) log p
@@ -76,10 +77,6 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if need_dw:
                 dW.addmm_(dz.t(), h_c)
         return dH, dW, None, None, None
-
-
-def _chunk_rows(V):
-    return max(1, CHUNK_BYTES // (4 * V))
 
 
 def chunked_logprobs(hidden, weight, targets, temperature=1.0, entropy=True):

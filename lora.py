@@ -42,8 +42,7 @@ def lora_forward(self, x, *args, **kwargs):
     """PEFT's LoRA Linear forward, y = x W^T + s * dropout(x) A^T B^T, but in x's dtype. PEFT
     computes the adapter in float32 (a float32 copy of x, its dropout, two GEMMs and an add); here
     A and B are rounded to x's dtype as autocast would (their gradients still reach the float32
-    parameters) and the add runs inside B's GEMM (addmm). DoRA, merged or disabled adapters take
-    PEFT's own forward."""
+    parameters) and the add runs inside B's GEMM (addmm)."""
     adapters = [a for a in self.active_adapters if a in self.lora_A]
     dora = any(self.use_dora.get(a) for a in adapters)
     if self.disable_adapters or self.merged or args or kwargs or dora:
@@ -58,16 +57,14 @@ def lora_forward(self, x, *args, **kwargs):
 
 
 def is_lora(module):
-    """A PEFT LoRA layer (base_layer, lora_A, lora_B), duck-typed so that a run without LoRA never
-    imports peft."""
+    """A PEFT LoRA layer, duck-typed: a run without LoRA never imports peft."""
     return all(hasattr(module, name) for name in ("base_layer", "lora_A", "scaling"))
 
 
 def effective_weight(linear):
     """(weight, bias) computing what the module computes at eval: a plain nn.Linear's own, or for a
     LoRA layer W + sum_a (alpha/r)_a B_a A_a (in float32, rounded once to W's dtype) and its base's
-    bias. None for anything else (DoRA, a merged or disabled adapter, a quantized base): the caller
-    then keeps the module's own forward."""
+    bias. None for anything else (DoRA, a merged or disabled adapter, a quantized base)."""
     if isinstance(linear, torch.nn.Linear) and type(linear).forward is torch.nn.Linear.forward:
         return linear.weight, linear.bias
     if not is_lora(linear):

@@ -22,9 +22,8 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.generation import logits_process
 
-import decode_kernels
-from decode_kernels import decode_attention_op, record, sample, sample_triton
-from kv_reuse import positions, reuse_unsupported, trim_left_padding
+from decode_kernels import decode_attention_op, record, rope_torch, sample, sample_triton
+from kv_reuse import positions, reuse_unsupported, setting, trim_left_padding
 from lora import effective_weight
 
 CUDA_GRAPH = True  # on CUDA: capture a decode step (forward + sampling) once, replay it per token
@@ -94,9 +93,8 @@ def hf_generate_groups(model, prompt_ids, prompt_mask, G, max_new_tokens, temper
     if temperature == 0:
         ids = ids.repeat_interleave(G, 0)
         logps = logps if logps is None else logps.repeat_interleave(G, 0)
-    is_eos = torch.isin(ids, eos)
-    ended = is_eos.long().cumsum(1)
-    keep = ((ended == 0) | ((ended == 1) & is_eos)).long()  # up to and including the first EOS
+    is_eos = torch.isin(ids, eos).long()
+    keep = (is_eos.cumsum(1) - is_eos == 0).long()  # no EOS before it: through the first EOS
     n = int(keep.sum(1).max())
     ids, keep = ids[:, :n].masked_fill(keep[:, :n] == 0, pad), keep[:, :n]
     return (ids, keep, logps[:, :n].masked_fill(keep == 0, 0)) if return_logprobs else (ids, keep)
@@ -118,13 +116,12 @@ AttentionInterface.register("nanogrpo_decode", decode_attention)
 @contextlib.contextmanager
 def using_decode_attention(model, st):
     """inside, the model's attention is "nanogrpo_decode" on state st (HF reads it per call)"""
-    impl, model.config._attn_implementation = model.config._attn_implementation, "nanogrpo_decode"
     DECODE_STATE.append(st)
     try:
-        yield
+        with setting(model.config, "_attn_implementation", "nanogrpo_decode"):
+            yield
     finally:
         DECODE_STATE.pop()
-        model.config._attn_implementation = impl
 
 
 def model_forward(model, tok, pos):
@@ -166,10 +163,17 @@ def project(x, w, b, norm=None, act=None, residual=None):
 
 
 def rope_in_attention(model):
-    """whether apply_rotary_pos_emb is rope_torch's formula: then the attention op applies RoPE"""
+    """whether the model's apply_rotary_pos_emb gives rope_torch's bits on random heads (a partial
+    or interleaved rotary, or another signature, does not): then the attention op applies RoPE"""
     attn = model.model.layers[0].self_attn
     apply = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
-    return decode_kernels.rope_matches(apply, attn.head_dim)
+    g = torch.Generator().manual_seed(0)
+    q, k, cos, sin = (torch.randn(2, n, 1, attn.head_dim, generator=g) for n in (3, 2, 1, 1))
+    try:
+        return all(torch.equal(a, rope_torch(b, cos[:, 0], sin[:, 0]))
+                   for a, b in zip(apply(q, k, cos[:, 0], sin[:, 0]), (q, k)))
+    except Exception:
+        return False
 
 
 def attention_inputs(layer, h, w_qkv, b_qkv, rope_attn, cos, sin):
@@ -254,8 +258,7 @@ def forward_compiled_or_not(model, fn, *args):
             first = next((line for line in str(e).splitlines() if line.strip()), "")
             UNCOMPILABLE[model] = f"{type(e).__name__}: {first[:200]}"
             print(f"rollout: torch.compile cannot compile {fn.__name__} for this model "
-                  f"({UNCOMPILABLE[model]}); decoding with the uncompiled forward "
-                  f"(CUDA graphs still on)", flush=True)
+                  f"({UNCOMPILABLE[model]}); decoding uncompiled (CUDA graphs on)", flush=True)
     return fn(*args)
 
 

@@ -164,8 +164,7 @@ ANSWER_KEYS = ("answer", "solution", "target")
 def dataset_answer(example):
     """a row's reference answer: GSM8K's "...reasoning...\n#### 1,234" -> "1234", else the field"""
     a = str(next(example[k] for k in ANSWER_KEYS if k in example))
-    if "####" in a:
-        a = a.rsplit("####", 1)[1]
+    a = a.rsplit("####", 1)[-1]  # GSM8K's final answer, or the whole field
     return a.strip().replace(",", "") if re.fullmatch(r"\s*-?[\d,]*\.?\d+\s*", a) else a.strip()
 
 
@@ -198,9 +197,9 @@ def dataset_question(example):
 
 
 def read_rows(spec, split="train"):
-    """the rows (dicts) of jsonl:PATH or hf:NAME[:config]; a ValueError names a bad line or field"""
-    if spec.startswith("jsonl:"):
-        path, rows = spec[6:], []
+    """the rows of [jsonl:]PATH or hf:NAME[:config]; a ValueError names a bad line or field"""
+    if not spec.startswith("hf:"):
+        path, rows = spec.removeprefix("jsonl:"), []
         with open(os.path.expanduser(path)) as f:
             lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
         for i, line in lines:
@@ -228,8 +227,6 @@ def dataset_task(spec, eval_size, eval_file=""):
     else eval_size rows drawn with EVAL_SEED (any --seed); training samples the rest, replaced"""
     rows = read_rows(spec)
     if eval_file:
-        if not eval_file.startswith(("jsonl:", "hf:")):
-            eval_file = "jsonl:" + eval_file
         held, train = read_rows(eval_file, split="test")[:eval_size], rows
     else:
         if len(rows) <= eval_size:
@@ -255,6 +252,7 @@ VERIFIERS = (arithmetic_reward, countdown_reward, dataset_reward)
 
 # What the trainer does with any task: the held-out split, the training prompts, the rewards -------
 EVAL_SEED = 10**9 + 7  # the held-out set's seed, one no training step uses (see step_seed)
+FILE_MODULES = {}  # real path -> module: a file's code runs once, though the config check loads it
 
 
 def step_seed(seed, step, draw=0):
@@ -302,8 +300,7 @@ def check_task(task, eval_file=""):
             errors.append(f"--{flag}={spec!r}: use one of {', '.join(TASKS)}, jsonl:PATH or "
                           f"hf:NAME[:config]")
     if eval_file and task in TASKS:
-        errors.append(f"--eval_file={eval_file!r}: only a dataset task (jsonl: / hf:) takes a "
-                      f"held-out file")
+        errors.append(f"--eval_file={eval_file!r}: only a dataset task (jsonl:/hf:) takes one")
     return errors
 
 
@@ -318,13 +315,11 @@ def load_task(task, difficulty, eval_size, eval_file=""):
 
 def held_out_set(make_prompts, n, difficulty):
     """n distinct questions, which training never sees (a small difficulty has few questions)"""
-    out, seen = [], set()
+    out = {}  # question -> its example, the first drawn
     for q, t in make_prompts(50 * n, EVAL_SEED, difficulty):
-        if q not in seen:
-            seen.add(q)
-            out.append((q, t))
+        out.setdefault(q, t)
         if len(out) == n:
-            return out
+            return list(out.items())
     raise ValueError(f"--eval_size={n}: only {len(out)} distinct questions at "
                      f"difficulty={difficulty}: lower --eval_size or raise --difficulty")
 
@@ -348,9 +343,6 @@ def train_prompts(make_prompts, n, seed, difficulty, exclude):
             return out[:n]
     raise ValueError(f"the held-out set leaves too few training questions at "
                      f"difficulty={difficulty}: lower --eval_size")
-
-
-FILE_MODULES = {}  # real path -> module: a file's code runs once, though the config check loads it
 
 
 def load_reward(spec):
