@@ -1,7 +1,8 @@
 """
 Where a GRPO step's time goes, against its hardware floor (issue 43): `python bench_step.py [WORD ...] [--key=value
 ...]` runs each cell (name has every WORD; the flags join its own) as `grpo.py` for 4 steps on a random-weight model
-(bench_e2e's), in a fresh process; step 3 is timed, step 4's update runs under torch.profiler. Floors: generation =
+(bench_e2e's), in a fresh process; step 3 is timed, step 4's update runs under torch.profiler (a cell
+with --max_steps=S: steps 3..S-1 are timed, summed, and step S profiled: the ragged cells, whose steps vary). Floors: generation =
 the HBM roofline of the decode steps it ran (every weight once a step + each live row's K/V, prompt + tokens so far,
 at bench_rollout.SPEC_BW); update = k * N * tokens / the bf16 GEMM rate (an 8192^3 matmul in the same process): N the
 matmul parameters, tokens each prompt once + its completions, per pass, k = 6 (forward, input and weight gradients) or
@@ -40,10 +41,10 @@ CELLS = {  # name: (model (a bench_e2e model spec: family[+eosK]), grpo flags, p
     "1.5B full 32x8x1024 gc 2 GPUs": ("qwen2.5-1.5b", cell(32, 8, 1024, GC, "--fsdp=True"), 2),  # 16 groups a GPU
     # 148 more EOS ids of the 151,936: a row stops with probability ~149/V a token, so its length is about
     # geometric, mean ~1,020 before the cap (which ~2% of rows reach): about the tokens of its twin, ragged
-    "1.5B full 16x8x4096 gc ragged": ("qwen2.5-1.5b+eos148", cell(16, 8, 4096, GC), 1),
+    "1.5B full 16x8x4096 gc ragged": ("qwen2.5-1.5b+eos148", cell(16, 8, 4096, GC, "--max_steps=8"), 1),
     # no tail (pool.py): a step decodes until 16 groups are complete; the others carry over
     "1.5B full 16x8x4096 gc ragged N=1": ("qwen2.5-1.5b+eos148",
-                                          cell(16, 8, 4096, GC, "--max_staleness=1"), 1),
+                                          cell(16, 8, 4096, GC, "--max_staleness=1", "--max_steps=8"), 1),
 }
 RAGGED_TWIN = {  # ragged cell: its uniform twin (every completion at its cap), run in the same call
     "1.5B full 16x8x4096 gc ragged": "1.5B full 16x8x1024 gc",
@@ -116,13 +117,13 @@ def run(args):
                 return fn(*a, **k)
         return wrapped
 
-    def sample_step(*a, **k):  # the timed step's groups: what the floors need
+    def sample_step(*a, **k):  # the timed steps' groups: what the floors need
         out = sample_fn(*a, **k)
         seen["steps"] += 1
-        if seen["steps"] == steps - 1:
+        if 3 <= seen["steps"] <= steps - 1:
             buf = out[0]
-            seen.update(P=buf["prompt_mask"].sum(1).tolist(), C=buf["completion_mask"].sum(1).tolist(),
-                        G=buf["group_size"])
+            seen.setdefault("timed", []).append((buf["prompt_mask"].sum(1).tolist(),
+                                                 buf["completion_mask"].sum(1).tolist(), buf["group_size"]))
         return out
 
     def load_model(*a, **k):
@@ -145,7 +146,7 @@ def run(args):
     if seen.get("profiling"):
         prof.export_chrome_trace(os.path.join(out_dir, "trace.json"))
     recs = [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl")) if line.strip()]
-    timed = [r for r in recs if "gen_s" in r][-2]  # step 3: step 4 ran under the profiler
+    timed = [r for r in recs if "gen_s" in r][2:-1]  # steps 3..S-1: step S ran under the profiler
     model, dev = seen["model"], torch.cuda.is_available()
     cfg = model.config
     x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda") if dev else None
@@ -154,18 +155,23 @@ def run(args):
     n_mat = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "lora_" not in n
                 and ("embed_tokens" not in n or cfg.tie_word_embeddings))  # the matrices a token runs through
     # kv_reuse: each prompt once + its G completions, a pass
-    tokens = (sum(seen["P"]) + sum(seen["C"])) * int(flag(args, "num_iterations", 1))
+    tokens = sum(sum(P) + sum(C) for P, C, _ in seen["timed"]) * int(flag(args, "num_iterations", 1))
     kv_token = rollout.kv_bytes_per_token(cfg, 2)  # bytes of one token's K and V (bf16)
     weights = sum(2 * p.numel() for n, p in model.named_parameters()  # what a decode step reads, bf16 (FSDP2's
                   if "embed_tokens" not in n or cfg.tie_word_embeddings)  # parameters are float32 shards)
-    P = [seen["P"][r // seen["G"]] for r in range(len(seen["C"]))]  # each row's prompt length
-    kv_read = sum(p * c + c * (c - 1) / 2 for p, c in zip(P, seen["C"])) * kv_token  # a row's steps: P + t each
     bw = __import__("bench_rollout").spec_bandwidth() or float("nan")  # datasheet HBM bytes/s
+    gen_floor = 0.0
+    for P, C, G in seen["timed"]:  # each timed step: its decode steps read every weight, and each row's K/V
+        kv_read = sum(P[r // G] * c + c * (c - 1) / 2 for r, c in enumerate(C)) * kv_token  # P + t a step
+        gen_floor += (max(C) * weights + kv_read) / bw
+    C_all = [c for _, C, _ in seen["timed"] for c in C]
+    mean = lambda key: sum(r.get(key, 0) for r in timed) / len(timed) if key in timed[0] else None  # noqa: E731
     stats = torch.cuda.memory_stats() if dev else {}  # the run's allocator retries and cudaFrees
-    res = dict(gen=timed["gen_s"], update=timed["update_s"], peak=max(r["peak_gib"] for r in recs if "peak_gib" in r),
-               gen_tokens=sum(seen["C"]), len_max=max(seen["C"]), truncated=timed.get("truncated"),
-               padding_frac=timed.get("padding_frac"),  # (rank 0's tokens, the log's whole-step keys)
-               gen_floor=(max(seen["C"]) * weights + kv_read) / bw, rate=rate,
+    res = dict(gen=sum(r["gen_s"] for r in timed), update=sum(r["update_s"] for r in timed),
+               peak=max(r["peak_gib"] for r in recs if "peak_gib" in r), steps=len(timed),
+               gen_tokens=sum(C_all), len_max=max(C_all), truncated=mean("truncated"),
+               padding_frac=mean("padding_frac"),  # (rank 0's tokens, the log's whole-step keys)
+               gen_floor=gen_floor, rate=rate,
                update_floor=(4 if lora else 6) * n_mat * tokens / rate,
                phases=gpu_phases(os.path.join(out_dir, "trace.json")) if dev and seen.get("profiling") else ({}, 1, []),
                mem={k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_free")})  # (each a device sync)
@@ -179,7 +185,7 @@ def ragged_table(results):
     pairs = [(rag, uni) for rag, uni in RAGGED_TWIN.items() if rag in results and uni in results]
     if not pairs:
         return
-    print("\nragged vs uniform, step 3: us/tok = microseconds per generated token; step tok/s = generated tokens / "
+    print("\nragged vs uniform, the timed steps: us/tok = microseconds per generated token; step tok/s = tokens / "
           "(gen + update); trunc = share of rows cut at the cap; padding = the log's padding_frac")
     print(f"| {'cell':<32} | {'tokens':>7} {'len max':>7} {'trunc':>5} | {'gen s':>6} {'upd s':>6} | "
           f"{'gen us/tok':>10} {'upd us/tok':>10} {'step tok/s':>10} | {'padding':>7}")
@@ -211,7 +217,8 @@ def main(words):
     cells = {k: v for k, v in CELLS.items() if k in chosen}  # (CELLS' order: the twin runs first)
     results = {}
     print(f"GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}, torch {torch.__version__}; "
-          f"seconds of step 3, floors as in this file's docstring; phases: the profiled step 4's update; "
+          f"seconds of step 3 (or steps 3..S-1, summed), floors as in this file's docstring; phases: the "
+          f"profiled last step's update; "
           f"flags: {' '.join(extra) or 'the cells own'}")
     print(f"| {'cell':<32} | {'gen s':>6} {'floor':>6} {'frac':>5} | {'upd s':>6} {'floor':>6} {'frac':>5} | "
           f"{'step':>5} | {'GiB':>5} | update phases, % of its wall")
@@ -224,7 +231,8 @@ def main(words):
         step_json = os.path.join(out_dir, "step.json")
         if os.path.exists(step_json):  # (an earlier run's: a failed run must not be read as this one)
             os.remove(step_json)
-        row = bench_e2e.run_cell(label, model, [*flags, *extra, "--max_steps=4"], nproc, out_dir, __file__)
+        steps = [] if flag([*flags, *extra], "max_steps") else ["--max_steps=4"]  # (a ragged cell: its own)
+        row = bench_e2e.run_cell(label, model, [*flags, *extra, *steps], nproc, out_dir, __file__)
         if not os.path.exists(step_json):
             print(f"| {name:<32} | ERROR {row.get('why', '')}", flush=True)
             continue
