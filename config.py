@@ -377,6 +377,13 @@ def fit_errors(cfg, n_params, world, sharded, gpu_bytes, kv_token):
                 f"({kv_token} bytes a token) needs {row / 2**30:.1f} GiB beside the training "
                 f"state's {need / 2**30:.0f} GiB, and {have}; shorten them or use a GPU with more "
                 f"memory"]
+    rows = cfg.prompts_per_step // world * cfg.group_size  # the pool decodes a step's rows at once
+    pool = rows * kv_token * (P + 2 * C)  # (pool.max_pool_rows' bound: its prefix, then C new)
+    if cfg.max_staleness and need <= gpu_bytes < need + pool:
+        return [f"--max_staleness={cfg.max_staleness}: the pool decodes a step's {rows} rows at "
+                f"once, {pool / 2**30:.1f} GiB of K/V beside the training state's "
+                f"{need / 2**30:.0f} GiB, and {have}; use --max_staleness=0 (it samples in waves) "
+                f"or fewer rows"]
     if need <= gpu_bytes:
         return []
     what = f"{n_params / 1e9:.1f}B parameters need {need / 2**30:.0f} GiB before any activation"

@@ -1987,6 +1987,12 @@ def test_pool_step_checks_and_the_loss_correction_default():
     assert off.vllm_importance_sampling_correction is False
     bad = config.parse_config(["--max_staleness=1", "--dynamic_sampling=True"])
     assert_raises(ValueError, lambda: config.check_config(bad), "--dynamic_sampling")
+    # before the weights load: a step's rows' K/V must fit beside the state (1.5B-shaped, 28 KiB a token; 32 x 16
+    # rows at 64 + 2 x 4096 tokens = 117 GiB on an 80 GiB GPU), else the refusal names --max_staleness=0
+    long = ["--model=/models/q15", "--max_completion_len=4096", "--max_prompt_len=64"]
+    err = config.memory_plan(config.parse_config(long + ["--max_staleness=1"]), 1.5e9, 1, 80 * 2**30, 28672)[0]
+    assert len(err) == 1 and "--max_staleness=0" in err[0] and "512 rows" in err[0], err
+    assert config.memory_plan(config.parse_config(long), 1.5e9, 1, 80 * 2**30, 28672)[0] == []
 
 
 @check
