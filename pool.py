@@ -5,8 +5,8 @@ completion, a handful of rows decoding alone while each step still reads every w
 (max_staleness=N > 0) keeps a pool of groups across steps:
 
     1. admit    draws of B prompts, the ones a synchronous run makes, in order, while the groups
-                admitted stay within (step + N) x B (AReaL's bound: slow rows are never dropped,
-                which would bias training toward short completions)
+                admitted stay within (step + N) x B (AReaL's bound; no slow row is ever dropped:
+                that would bias training toward short completions)
     2. decode   every unfinished row in one batch, until B groups are complete (all G rows ended)
                 and so is every group admitted N or more steps ago
     3. hand     B complete groups to the update, the oldest first, then as they completed
