@@ -1,7 +1,7 @@
 """
-Where a GRPO step's time goes, against its hardware floor (issue 43): `python bench_step.py [WORD ...] [--key=value
-...]` runs each cell (name has every WORD; the flags join its own) as `grpo.py` for 4 steps on a random-weight model
-(bench_e2e's), in a fresh process; step 3 is timed, step 4's update runs under torch.profiler (a cell
+Where a GRPO step's time goes, against its hardware floor: `python bench_step.py [WORD ...] [-WORD ...]
+[--key=value ...]` runs each cell (name has every WORD and no -WORD; the flags join its own) as `grpo.py` for 4 steps
+on a random-weight model (bench_e2e's), in a fresh process; step 3 is timed, step 4's update runs under torch.profiler (a cell
 with --max_steps=S: steps 3..S-1 are timed, summed, and step S profiled: the ragged cells, whose steps vary). Floors: generation =
 the HBM roofline of the decode steps it ran (every weight once a step + each live row's K/V, prompt + tokens so far,
 at bench_rollout.SPEC_BW); update = k * N * tokens / the bf16 GEMM rate (an 8192^3 matmul in the same process): N the
@@ -212,7 +212,9 @@ def main(words):
         return
     import torch
     extra = [w for w in words if w.startswith("--")]  # --key=value: added to every cell's flags
-    chosen = [k for k in CELLS if all(w in k for w in words if w not in extra)]
+    out = [w[1:] for w in words if w.startswith("-") and w not in extra]  # -WORD: not these cells
+    want = [w for w in words if not w.startswith("-")]
+    chosen = [k for k in CELLS if all(w in k for w in want) and not any(w in k for w in out)]
     chosen += [RAGGED_TWIN[k] for k in chosen if k in RAGGED_TWIN]  # a ragged cell is read against its twin
     cells = {k: v for k, v in CELLS.items() if k in chosen}  # (CELLS' order: the twin runs first)
     results = {}
