@@ -60,7 +60,8 @@ mask_truncated_completions = False  # completions cut at max_completion_len carr
 # TRL's correction for the sampler's and trainer's slightly different log-probs (sampling_logp_diff)
 vllm_importance_sampling_correction = "auto"  # weight the loss by exp(old - sampler logp); auto:
 # on where the sampler's weights are older than the trainer's (max_staleness > 0), else off
-vllm_importance_sampling_mode = "sequence_mask"  # {token,sequence}_{truncate,mask}
+vllm_importance_sampling_mode = "auto"  # {token,sequence}_{truncate,mask}; auto: sequence_mask
+# (TRL's), token_mask where max_staleness > 0 (AReaL's per-token weight; a long row's sum drifts)
 vllm_importance_sampling_clip_max = 3.0  # truncate: clamp to [clip_min, clip_max]; mask: 0 outside
 vllm_importance_sampling_clip_min = 0.0  # 0 = no lower bound
 # speed and memory
@@ -127,6 +128,9 @@ def parse_config(argv, defaults=None):
     if auto in ("auto", "true", "1", "false", "0"):  # (anything else: check_config names it)
         cfg["vllm_importance_sampling_correction"] = (cfg.get("max_staleness", 0) > 0
                                                       if auto == "auto" else auto in ("true", "1"))
+    if cfg.get("vllm_importance_sampling_mode") == "auto":
+        stale = cfg.get("max_staleness", 0) > 0
+        cfg["vllm_importance_sampling_mode"] = "token_mask" if stale else "sequence_mask"
     return SimpleNamespace(**cfg)
 
 

@@ -13,7 +13,8 @@ completion, a handful of rows decoding alone while each step still reads every w
 
 So a trained group's prompt came in at most N optimizer steps before its update, and each token
 keeps the log-prob of the weights that sampled it, which the loss corrects for
-(vllm_importance_sampling_correction, on by default when N > 0: AReaL's decoupled objective). A
+(vllm_importance_sampling_correction, on by default when N > 0, per token: AReaL's decoupled
+objective; a sequence's summed log-ratio drifts over thousands of tokens). A
 carried row continues under the new weights, its prompt ++ tokens prefilled as a prompt of its
 own (AReaL's interruptible rollout). Left out: K/V kept across the update (PipelineRL): K/V of
 the old weights, and memory held through the update.

@@ -1974,7 +1974,8 @@ def test_pool_rows_carried_over_steps_end_as_one_call_would():
 @check
 def test_pool_step_checks_and_the_loss_correction_default():
     """a step's groups must fit the K/V budget (a clear error, before decoding); the pool refuses dynamic sampling;
-    vllm_importance_sampling_correction=auto is on exactly when max_staleness > 0, and an explicit value wins"""
+    vllm_importance_sampling_correction=auto is on exactly when max_staleness > 0 (per token then), and an explicit
+    value wins"""
     import config
     import pool
     model = tiny_model(num_hidden_layers=1)
@@ -1985,6 +1986,11 @@ def test_pool_step_checks_and_the_loss_correction_default():
     assert config.parse_config(["--max_staleness=2"]).vllm_importance_sampling_correction is True
     off = config.parse_config(["--max_staleness=2", "--vllm_importance_sampling_correction=False"])
     assert off.vllm_importance_sampling_correction is False
+    # and its mode: TRL's sequence_mask, but per token for a pool (a sum of log-ratios over a long stale row drifts)
+    assert config.parse_config([]).vllm_importance_sampling_mode == "sequence_mask"
+    assert config.parse_config(["--max_staleness=1"]).vllm_importance_sampling_mode == "token_mask"
+    mode = ["--max_staleness=1", "--vllm_importance_sampling_mode=sequence_truncate"]
+    assert config.parse_config(mode).vllm_importance_sampling_mode == "sequence_truncate"
     bad = config.parse_config(["--max_staleness=1", "--dynamic_sampling=True"])
     assert_raises(ValueError, lambda: config.check_config(bad), "--dynamic_sampling")
     # before the weights load: a step's rows' K/V must fit beside the state (1.5B-shaped, 28 KiB a token; 32 x 16
