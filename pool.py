@@ -179,12 +179,12 @@ def admit(pool, step, n, cfg, max_rows):
             add_group(pool, pool.admitted, b, pair, prompt_ids[b][prompt_mask[b].bool()], step)
 
 
-def ready(groups, step, max_staleness, n):
-    """can the step train? n complete groups, and every group N or more steps old complete"""
-    complete = sum(all(r.ended for r in g.rows) for g in groups)
-    old_open = any(step - g.step >= max_staleness and not all(r.ended for r in g.rows)
-                   for g in groups)
-    return complete >= n and not old_open
+def ready(groups, step, max_staleness, n, ended=lambda r: r.ended):
+    """can the step train? n complete groups, and every group N or more steps old complete
+    (ended(row): has the row ended)"""
+    done = [all(ended(r) for r in g.rows) for g in groups]
+    old_open = any(step - g.step >= max_staleness and not d for g, d in zip(groups, done))
+    return sum(done) >= n and not old_open
 
 
 def decode_round(pool, model, step, n, cfg):
@@ -209,11 +209,8 @@ def decode_round(pool, model, step, n, cfg):
     prompt_ids, prompt_mask = pad_rows(prefixes, pool.pad, "left")
 
     def stop(live):  # asked every few decode steps: would the pool be ready with these rows live?
-        live = set(live)
-        ended = {id(r): r.ended or i not in live for i, (_, r) in enumerate(where)}
-        as_if = [SimpleNamespace(step=g.step, rows=[SimpleNamespace(ended=ended.get(id(r), r.ended))
-                                                    for r in g.rows]) for g in pool.groups]
-        return ready(as_if, step, cfg.max_staleness, n)
+        live = {id(where[i][1]) for i in live}  # (every unfinished row is in this call)
+        return ready(pool.groups, step, cfg.max_staleness, n, lambda r: id(r) not in live)
 
     ids, keep, logps = generate_groups(  # (rows, C) each
         model, prompt_ids, prompt_mask, 1, max(limits), temperature=cfg.temperature,
@@ -224,18 +221,18 @@ def decode_round(pool, model, step, n, cfg):
     last = ids.gather(1, (added - 1).clamp_min(0)[:, None])[:, 0]
     has_eos = (torch.isin(last, eos_tensor(pool.eos, ids.device)) & (added > 0)).tolist()
     added = added.tolist()  # (the round's one host read)
-    ended, last_round = [], {}
+    ended, end_at = [], {}  # end_at: a group's tokens added until its last row here ended
     for i, (g, r) in enumerate(where):
         r.ids = torch.cat([r.ids, ids[i, :added[i]]])
         r.logps = torch.cat([r.logps, logps[i, :added[i]]])
         r.eos, r.ended = has_eos[i], has_eos[i] or len(r.ids) >= T
         if r.ended:
             ended.append(len(r.ids))
-            last_round[id(g)] = (g, max(last_round.get(id(g), (g, 0))[1], added[i]))
+            end_at[id(g)] = max(end_at.get(id(g), 0), added[i])
     # the groups complete now get their order: by when their last row ended
-    for g, _ in sorted(last_round.values(), key=lambda x: x[1]):
-        if all(r.ended for r in g.rows):
-            g.order, pool.ended = pool.ended, pool.ended + 1
+    now = [g for g in pool.groups if g.order is None and all(r.ended for r in g.rows)]
+    for g in sorted(now, key=lambda g: end_at[id(g)]):
+        g.order, pool.ended = pool.ended, pool.ended + 1
     return len(where), sum(added), steps, ended
 
 
