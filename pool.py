@@ -8,8 +8,9 @@ completion, a handful of rows decoding alone while each step still reads every w
                 admitted stay within (step + N) x B (AReaL's bound; no slow row is ever dropped:
                 that would bias training toward short completions)
     2. decode   every unfinished row in one batch, until B groups are complete (all G rows ended)
-                and so is every group admitted N or more steps ago
-    3. hand     B complete groups to the update, the oldest first, then as they completed
+                and, those trained, every group left can still train within N steps of its
+                admission at B a step (N = 1: every group admitted a step ago is complete)
+    3. hand     B complete groups to the update, the earliest admitted first, then as they ended
 
 So a trained group's prompt came in at most N optimizer steps before its update, and each token
 keeps the log-prob of the weights that sampled it, which the loss corrects for
@@ -19,6 +20,7 @@ carried row continues under the new weights, its prompt ++ tokens prefilled as a
 own (AReaL's interruptible rollout). Left out: K/V kept across the update (PipelineRL): K/V of
 the old weights, and memory held through the update.
 """
+from collections import Counter
 from types import SimpleNamespace
 
 import torch
@@ -179,12 +181,14 @@ def admit(pool, step, n, cfg, max_rows):
             add_group(pool, pool.admitted, b, pair, prompt_ids[b][prompt_mask[b].bool()], step)
 
 
-def ready(groups, step, max_staleness, n, ended=lambda r: r.ended):
-    """can the step train? n complete groups, and every group N or more steps old complete
-    (ended(row): has the row ended)"""
-    done = [all(ended(r) for r in g.rows) for g in groups]
-    old_open = any(step - g.step >= max_staleness and not d for g, d in zip(groups, done))
-    return sum(done) >= n and not old_open
+def ready(groups, step, N, n, ended=lambda r: r.ended):
+    """can the step train? n complete groups (the earliest admitted), and with them gone every
+    group left can still train within N steps of its admission at n groups a step: by step s + j
+    at most j x n of them came in at step s + j - N or before (ended(row): has the row ended)"""
+    done = sorted(g.step for g in groups if all(ended(r) for r in g.rows))[:n]
+    left = Counter(g.step for g in groups) - Counter(done)
+    return len(done) == n and all(sum(c for a, c in left.items() if a <= step + j - N) <= j * n
+                                  for j in range(N + 1))
 
 
 def decode_round(pool, model, step, n, cfg):
@@ -237,11 +241,11 @@ def decode_round(pool, model, step, n, cfg):
 
 
 def take(pool, step, n, cfg):
-    """3. the n complete groups to train, out of the pool: those N or more steps old first, then
-    in the order they completed. Returns (buffer, their (question, example) pairs, staleness)."""
+    """3. the n complete groups to train, out of the pool: the earliest admitted first, then in
+    the order they completed. Returns (buffer, their (question, example) pairs, staleness)."""
     G = cfg.group_size
     complete = [g for g in pool.groups if all(r.ended for r in g.rows)]
-    chosen = sorted(complete, key=lambda g: (step - g.step < cfg.max_staleness, g.order))[:n]
+    chosen = sorted(complete, key=lambda g: (g.step, g.order))[:n]  # (as ready() counted them)
     pool.groups = [g for g in pool.groups if not any(g is c for c in chosen)]
     rows = [r for g in chosen for r in g.rows]  # (n*G,) row b*G + g
     prompt_ids, prompt_mask = pad_rows([g.prompt for g in chosen], pool.pad, "left")  # (n, P)

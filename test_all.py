@@ -1940,35 +1940,68 @@ def test_pool_rows_carried_over_steps_end_as_one_call_would():
     torch.manual_seed(0)
     model = tiny_model(num_hidden_layers=1)
     eos = list(range(3, 10))  # 7 of 100 ids end a row: ragged greedy lengths
-    n, G, N, T = 2, 3, 1, 32
-    cfg, draw = _pool_cfg(max_staleness=N, max_completion_len=T), _pool_prompts(n)
-    p, trained, carried = pool.new_pool(draw, G, eos, 0), {}, 0
-    for step in range(1, 6):
-        buf, pairs = pool.pool_step(p, model, step, n, cfg)
-        stats = buf["pool"]
-        saved = pool.pool_state(p)  # what a checkpoint keeps: each group in flight, admitted again on resume
-        again = pool.new_pool(draw, G, eos, 0, step, saved)
-        assert [(g.draw, g.index, g.step, g.pair) for g in again.groups] == [
-            (g.draw, g.index, g.step, g.pair) for g in p.groups] and again.admitted == p.admitted
-        assert all(len(r.ids) == 0 for g in again.groups for r in g.rows)  # rows regenerated
-        assert len(pairs) == n and buf["completion_ids"].shape[0] == n * G
-        occupancy = stats["slot_occupancy"]  # (NaN: the step trained groups that had completed, no decode)
-        assert stats["staleness_max"] <= N and (occupancy != occupancy or 0 < occupancy <= 1), stats
-        carried += stats["rows_carried"]
-        for b, (q, _) in enumerate(pairs):
-            trained[q] = (buf["prompt_ids"][b][buf["prompt_mask"][b].bool()],
-                          [buf["completion_ids"][b * G + g][buf["completion_mask"][b * G + g].bool()] for g in range(G)],
-                          buf["truncated"][b * G:(b + 1) * G].tolist())
-    assert p.admitted == 5 + N and len(p.groups) == N * n, (p.admitted, len(p.groups))
-    assert sorted(trained) == sorted(f"q{k}.{b}" for k in range(1, 6) for b in range(n))  # none lost or repeated
-    assert carried > 0, "no row was carried part-way: the check would not test the re-prefill"
-    for q, (prompt, rows, truncated) in trained.items():
-        ids, keep = rollout.generate_groups(model, prompt[None], torch.ones_like(prompt)[None], G, T,
-                                            temperature=0.0, eos_token_id=eos, pad_token_id=0, compile=False)
-        for g in range(G):
-            want = ids[g][keep[g].bool()]
-            assert torch.equal(rows[g], want), (q, rows[g].tolist(), want.tolist())
-            assert truncated[g] == (len(want) == T and int(want[-1]) not in eos), q
+    n, G, T = 2, 3, 32
+    for N in (1, 2):  # (N = 2: a step may train groups younger than its due ones)
+        cfg, draw = _pool_cfg(max_staleness=N, max_completion_len=T), _pool_prompts(n)
+        p, trained, carried = pool.new_pool(draw, G, eos, 0), {}, 0
+        for step in range(1, 6):
+            buf, pairs = pool.pool_step(p, model, step, n, cfg)
+            stats = buf["pool"]
+            saved = pool.pool_state(p)  # what a checkpoint keeps: each group in flight, admitted again on resume
+            again = pool.new_pool(draw, G, eos, 0, step, saved)
+            assert [(g.draw, g.index, g.step, g.pair) for g in again.groups] == [
+                (g.draw, g.index, g.step, g.pair) for g in p.groups] and again.admitted == p.admitted
+            assert all(len(r.ids) == 0 for g in again.groups for r in g.rows)  # rows regenerated
+            assert len(pairs) == n and buf["completion_ids"].shape[0] == n * G
+            occupancy = stats["slot_occupancy"]  # (NaN: the step trained groups that had completed, no decode)
+            assert stats["staleness_max"] <= N and (occupancy != occupancy or 0 < occupancy <= 1), stats
+            carried += stats["rows_carried"]
+            for b, (q, _) in enumerate(pairs):
+                trained[q] = (buf["prompt_ids"][b][buf["prompt_mask"][b].bool()],
+                              [buf["completion_ids"][b * G + g][buf["completion_mask"][b * G + g].bool()] for g in range(G)],
+                              buf["truncated"][b * G:(b + 1) * G].tolist())
+        assert p.admitted == 5 + N and len(p.groups) == N * n, (p.admitted, len(p.groups))
+        assert sorted(trained) == sorted(f"q{k}.{b}" for k in range(1, 6) for b in range(n))  # none lost or repeated
+        assert carried > 0, "no row was carried part-way: the check would not test the re-prefill"
+        for q, (prompt, rows, truncated) in trained.items():
+            ids, keep = rollout.generate_groups(model, prompt[None], torch.ones_like(prompt)[None], G, T,
+                                                temperature=0.0, eos_token_id=eos, pad_token_id=0, compile=False)
+            for g in range(G):
+                want = ids[g][keep[g].bool()]
+                assert torch.equal(rows[g], want), (q, rows[g].tolist(), want.tolist())
+                assert truncated[g] == (len(want) == T and int(want[-1]) not in eos), q
+
+
+@check
+def test_pool_staleness_bound_holds_when_later_groups_finish_first():
+    """the decode, played as a clock: each row ends a random number of ticks after its admission (geometric,
+    capped, as ragged lengths), so groups admitted later often complete before earlier ones. For N = 1..3 every step still trains n groups, none
+    more than N steps after its admission, and the decode never waits once every row has ended"""
+    import random
+    import pool
+    n, G = 3, 2
+    for N in (1, 2, 3):
+        rng = random.Random(0)
+        cfg = _pool_cfg(max_staleness=N, group_size=G, prompts_per_step=n)
+        p, clock, worst = pool.new_pool(_pool_prompts(n), G, [1], 0), 0, 0
+        for step in range(1, 40):
+            pool.admit(p, step, n, cfg, None)
+            for g in p.groups:
+                for r in g.rows:
+                    r.end = getattr(r, "end", None) or clock + min(1 + int(rng.expovariate(1 / 5)), 20)
+            while not pool.ready(p.groups, step, N, n, lambda r: r.end <= clock):
+                assert any(r.end > clock for g in p.groups for r in g.rows), (N, step, "stuck")
+                clock += 1
+            for g in p.groups:
+                for r in g.rows:
+                    if r.end <= clock and not r.ended:
+                        r.ids, r.logps, r.ended, r.eos = torch.tensor([1]), torch.zeros(1), True, True
+                if g.order is None and all(r.ended for r in g.rows):
+                    g.order, p.ended = p.ended, p.ended + 1
+            buf, pairs, staleness = pool.take(p, step, n, cfg)
+            assert len(pairs) == n, (N, step)
+            worst = max(worst, *staleness)
+        assert worst == N, (N, worst)  # the bound is reached, never passed
 
 
 @check
