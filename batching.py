@@ -1,7 +1,7 @@
 """
 One GRPO generation batch, from sampled completions to gradients. B prompts x G completions are
-sampled once (pool.py); the num_iterations * steps_per_generation optimizer steps that follow all
-read them. The buffer: prompts (B, P) left-padded, completions (B*G, C) right-padded, row b*G + g.
+sampled once; the num_iterations * steps_per_generation optimizer steps that follow all read them.
+    rollout          prompts (B, P) left-padded -> completions (B*G, C) right-padded, row b*G + g
     prepare_buffer   advantages; K mini-batches of whole groups, in micro-batches under a token
                      budget (a lone group over it in parts); loss weights; old / ref log-probs
     update_step      per pass sum(per_token_loss * weight) -> backward -> clip -> optimizer.step
@@ -17,13 +17,38 @@ import lora
 from dist import all_ranks, distributed, fsdp_modules, global_stats, global_sum, stat_op
 from kv_reuse import compiled_pieces, completion_hidden, micro_batches, split_runs, token_slots
 from logprobs import token_logprobs
-from rollout import COMPILE_MIN_TOKENS
+from rollout import COMPILE_MIN_TOKENS, LAST, eos_tensor, generate_in_waves
 
 # per-completion entries of the buffer: (B*G, C) token tensors or (B*G,) row tensors
 ROW_KEYS = ("completion_ids", "completion_mask", "truncated", "advantages", "loss_weights",
             "old_logp", "ref_logp", "entropy_mask", "sampler_logp")
 # how a stat combines over the passes of a step (dist.stat_op names it)
 COMBINE = {"max": torch.maximum, "min": torch.minimum, "sum": torch.add}
+
+
+def free_gpu_bytes(dev):
+    """what this process can still allocate on a GPU: the driver's free bytes + our cache's spare"""
+    free, _ = torch.cuda.mem_get_info(dev)
+    return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+
+
+@torch.no_grad()
+def rollout(model, prompt_ids, prompt_mask, group_size, max_completion_len, temperature, top_p,
+            eos_token_id, pad_token_id, compile=True, kv_gib=0.0):
+    """Sample group_size completions per prompt -> the generation buffer (a dict). sampler_logp:
+    the decode kernels' log-probs. Waves of at most kv_gib GiB of K/V (0: 80% of the free GPU)."""
+    auto = 0.8 * free_gpu_bytes(prompt_ids.device) if prompt_ids.is_cuda and kv_gib <= 0 else None
+    budget = kv_gib * 2**30 if kv_gib > 0 else auto
+    completion_ids, completion_mask, sampler_logp = generate_in_waves(  # (B*G, C) each
+        model, prompt_ids, prompt_mask, group_size, max_completion_len, budget, eos_token_id,
+        pad_token_id, temperature=temperature, top_p=top_p, compile=compile)
+    # a completion without an EOS filled max_completion_len: it was truncated
+    eos = eos_tensor(eos_token_id, completion_ids.device)
+    has_eos = (torch.isin(completion_ids, eos) & (completion_mask == 1)).any(1)  # (B*G,)
+    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(), group_size=group_size,
+                completion_ids=completion_ids, completion_mask=completion_mask.long(),
+                truncated=~has_eos, sampler_logp=sampler_logp, decode=LAST["path"],
+                waves=LAST["waves"])
 
 
 def select_groups(buf, idx):

@@ -42,13 +42,9 @@ CELLS = {  # name: (model (a bench_e2e model spec: family[+eosK]), grpo flags, p
     # 148 more EOS ids of the 151,936: a row stops with probability ~149/V a token, so its length is about
     # geometric, mean ~1,020 before the cap (which ~2% of rows reach): about the tokens of its twin, ragged
     "1.5B full 16x8x4096 gc ragged": ("qwen2.5-1.5b+eos148", cell(16, 8, 4096, GC, "--max_steps=8"), 1),
-    # no tail (pool.py): a step decodes until 16 groups are complete; the others carry over
-    "1.5B full 16x8x4096 gc ragged N=1": ("qwen2.5-1.5b+eos148",
-                                          cell(16, 8, 4096, GC, "--max_staleness=1", "--max_steps=8"), 1),
 }
 RAGGED_TWIN = {  # ragged cell: its uniform twin (every completion at its cap), run in the same call
     "1.5B full 16x8x4096 gc ragged": "1.5B full 16x8x1024 gc",
-    "1.5B full 16x8x4096 gc ragged N=1": "1.5B full 16x8x1024 gc",
 }
 PHASES = ("lm_head", "optimizer", "forward", "update")  # innermost first: a kernel counts in the first
 

@@ -125,13 +125,12 @@ def recover_checkpoint(out_dir):
     return final if is_complete(final) else None
 
 
-def save_checkpoint(cfg, model, master, tokenizer, optimizer, step, pool=None):
-    """Every rank calls it (its RNG state and its rollout pool's groups in flight go in). Rank 0
-    writes the HF directory to ckpt.tmp (and every rank its FSDP2 optimizer shard), then
-    trainer_state.pt, and swaps ckpt.tmp in as ckpt."""
+def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
+    """Every rank calls it (its RNG state goes in). Rank 0 writes the HF directory to ckpt.tmp (and
+    every rank its FSDP2 optimizer shard), then trainer_state.pt, and swaps ckpt.tmp in as ckpt."""
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     rng = dict(torch=torch.get_rng_state(), python=random.getstate(), cuda=cuda_rng)
-    rngs, pools = all_ranks(rng), all_ranks(pool)
+    rngs = all_ranks(rng)
     sharded = bool(fsdp_modules(model))
     if sharded:  # the full weights gathered to rank 0's CPU (a tied one once)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -162,7 +161,7 @@ def save_checkpoint(cfg, model, master, tokenizer, optimizer, step, pool=None):
     if rank() != 0:
         return
     state = dict(step=step, optimizer=None if sharded else optimizer.state_dict(), rng=rng,
-                 rng_ranks=rngs, pool_ranks=pools, world_size=len(rngs), config=vars(cfg))
+                 rng_ranks=rngs, world_size=len(rngs), config=vars(cfg))
     path = os.path.join(tmp, "trainer_state.pt")
     torch.save(state, path + ".part")
     os.replace(path + ".part", path)  # tmp is complete from here on

@@ -58,10 +58,8 @@ top_entropy_quantile = 1.0  # only this top fraction of tokens by entropy carrie
 scale_rewards = "group"  # the advantage over the std of its group | batch | none
 mask_truncated_completions = False  # completions cut at max_completion_len carry no loss
 # TRL's correction for the sampler's and trainer's slightly different log-probs (sampling_logp_diff)
-vllm_importance_sampling_correction = "auto"  # weight the loss by exp(old - sampler logp); auto:
-# on where the sampler's weights are older than the trainer's (max_staleness > 0), else off
-vllm_importance_sampling_mode = "auto"  # {token,sequence}_{truncate,mask}; auto: sequence_mask
-# (TRL's), token_mask where max_staleness > 0 (AReaL's per-token weight; a long row's sum drifts)
+vllm_importance_sampling_correction = False  # weight the policy loss by exp(old - sampler logp)
+vllm_importance_sampling_mode = "sequence_mask"  # {token,sequence}_{truncate,mask}
 vllm_importance_sampling_clip_max = 3.0  # truncate: clamp to [clip_min, clip_max]; mask: 0 outside
 vllm_importance_sampling_clip_min = 0.0  # 0 = no lower bound
 # speed and memory
@@ -71,7 +69,6 @@ gradient_checkpointing = "auto"  # recompute layers in the backward: True | Fals
 compile = True  # GPU, from 128 new tokens: torch.compile the decode and the update's small ops
 micro_batch_tokens = 0  # real tokens a micro-batch holds (whole groups, or parts); 0 = auto
 rollout_kv_gib = 0.0  # K/V the rollout holds at once (0 = auto); more groups go in later waves
-max_staleness = 0  # N > 0: no tail (pool.py), a group trains <= N steps after its prompt came in
 device = "auto"  # auto | cuda | cpu | cuda:N
 dtype = "bfloat16"  # float32 | bfloat16 (float16 would need a loss scaler); the masters are float32
 seed = 1337  # each torchrun process samples with seed + its rank
@@ -124,13 +121,6 @@ def parse_config(argv, defaults=None):
             cfg[key] = type(default)(v)
         else:
             cfg[key] = val
-    auto = str(cfg.get("vllm_importance_sampling_correction")).lower()  # True | False | auto
-    if auto in ("auto", "true", "1", "false", "0"):  # (anything else: check_config names it)
-        cfg["vllm_importance_sampling_correction"] = (cfg.get("max_staleness", 0) > 0
-                                                      if auto == "auto" else auto in ("true", "1"))
-    if cfg.get("vllm_importance_sampling_mode") == "auto":
-        stale = cfg.get("max_staleness", 0) > 0
-        cfg["vllm_importance_sampling_mode"] = "token_mask" if stale else "sequence_mask"
     return SimpleNamespace(**cfg)
 
 
@@ -143,7 +133,7 @@ CHOICES = {"loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"),
 AT_LEAST_1 = ("max_steps", "prompts_per_step", "max_prompt_len", "max_completion_len", "eval_size",
               "num_iterations", "difficulty", "steps_per_generation", "max_sampling_tries")
 AT_LEAST_0 = ("warmup_steps", "eval_every", "save_every", "eval_pass_k", "soft_punish_cache",
-              "eval_samples", "max_flat_steps", "lora_r", "max_staleness")
+              "eval_samples", "max_flat_steps", "lora_r")
 POSITIVE = ("lr", "temperature", "vllm_importance_sampling_clip_max", "eval_temperature",
             "dist_timeout_minutes", "lora_alpha")
 RANGES = {  # key: (is the value valid?, the valid range as an error states it)
@@ -167,11 +157,11 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
     "rollout_kv_gib": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = auto)"),
     "micro_batch_tokens": (lambda v: v >= 0, ">= 0 (0 = auto)"),
     **{k: (lambda v: str(v).lower() in ("auto", "true", "false", "1", "0"), "True, False or auto")
-       for k in ("gradient_checkpointing", "fsdp", "vllm_importance_sampling_correction")},
+       for k in ("gradient_checkpointing", "fsdp")},
 }
 FREE_KEYS = ("model", "gguf_dir", "out_dir", "device", "resume", "overwrite",  # check_config's
              "mask_truncated_completions", "kv_reuse", "task", "eval_file", "reward",  # own, and
-             "reward_weights", "dynamic_sampling",  # bools
+             "reward_weights", "dynamic_sampling", "vllm_importance_sampling_correction",  # bools
              "deterministic", "compile", "lora_target_modules", "report_to")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 AUTO_TOKENS = 32768  # the largest micro-batch auto picks, and the CPU's
@@ -214,9 +204,6 @@ def check_config(cfg):
         errors += [f"--loss_type=cispo with --epsilon_high={cfg.epsilon_high}: cispo caps the "
                    f"importance weight AT epsilon_high (ScaleRL's eps_max, as TRL), so < 1 would "
                    f"shrink every on-policy gradient; use e.g. --epsilon_high=5.0"]
-    if cfg.max_staleness and cfg.dynamic_sampling:
-        errors += [f"--max_staleness={cfg.max_staleness} with --dynamic_sampling=True: the pool "
-                   f"trains the groups that complete, it does not draw again; use one of them"]
     if cfg.soft_punish_cache >= cfg.max_completion_len:
         errors += [f"--soft_punish_cache={cfg.soft_punish_cache}: must be < --max_completion_len="
                    f"{cfg.max_completion_len} (the penalty ramps over that many tokens before it)"]
@@ -381,13 +368,6 @@ def fit_errors(cfg, n_params, world, sharded, gpu_bytes, kv_token):
                 f"({kv_token} bytes a token) needs {row / 2**30:.1f} GiB beside the training "
                 f"state's {need / 2**30:.0f} GiB, and {have}; shorten them or use a GPU with more "
                 f"memory"]
-    rows = cfg.prompts_per_step // world * cfg.group_size  # the pool decodes a step's rows at once
-    pool = rows * kv_token * (P + 2 * C)  # (pool.max_pool_rows' bound: its prefix, then C new)
-    if cfg.max_staleness and need <= gpu_bytes < need + pool:
-        return [f"--max_staleness={cfg.max_staleness}: the pool decodes a step's {rows} rows at "
-                f"once, {pool / 2**30:.1f} GiB of K/V beside the training state's "
-                f"{need / 2**30:.0f} GiB, and {have}; use --max_staleness=0 (it samples in waves) "
-                f"or fewer rows"]
     if need <= gpu_bytes:
         return []
     what = f"{n_params / 1e9:.1f}B parameters need {need / 2**30:.0f} GiB before any activation"

@@ -42,8 +42,8 @@ def stop_token_ids(model, tokenizer):
 
 
 def generate(model, prompt_ids, prompt_mask, n, temperature, top_p, cfg, tokenizer):
-    """n completions of each prompt (pool.rollout: the generation buffer)"""
-    from pool import rollout
+    """n completions of each prompt (batching.rollout: the generation buffer)"""
+    from batching import rollout
     return rollout(model, prompt_ids, prompt_mask, n, cfg.max_completion_len, temperature, top_p,
                    stop_token_ids(model, tokenizer), tokenizer.pad_token_id, cfg.compile,
                    cfg.rollout_kv_gib)
@@ -61,20 +61,15 @@ def draw_prompts(cfg, step, draw, tokenizer, make_prompts, eval_questions, dev):
     return pairs, ids, mask
 
 
-def sample_draw(cfg, step, draw, policy, tokenizer, make_prompts, reward_fn, eval_questions, dev,
-                pool=None):
-    """one draw of prompts for this rank (or the pool's complete groups: pool.py), sampled and
-    scored; a reward is the weighted sum of the rewards plus DAPO's soft overlong penalty"""
-    from pool import pool_step
+def sample_draw(cfg, step, draw, policy, tokenizer, make_prompts, reward_fn, eval_questions, dev):
+    """one draw of prompts for this rank, sampled and scored; a reward is the weighted sum of the
+    rewards plus DAPO's soft overlong penalty"""
     n, G = cfg.prompts_per_step // world_size(), cfg.group_size
+    pairs, prompt_ids, prompt_mask = draw_prompts(cfg, step, draw, tokenizer, make_prompts,
+                                                  eval_questions, dev)
     try:
-        if pool is None:
-            pairs, prompt_ids, prompt_mask = draw_prompts(cfg, step, draw, tokenizer, make_prompts,
-                                                          eval_questions, dev)
-            buf = generate(policy, prompt_ids, prompt_mask, G, cfg.temperature, cfg.top_p, cfg,
-                           tokenizer)
-        else:
-            buf, pairs = pool_step(pool, policy, step, n, cfg)  # (its stats in buf["pool"])
+        buf = generate(policy, prompt_ids, prompt_mask, G, cfg.temperature, cfg.top_p, cfg,
+                       tokenizer)
     except torch.cuda.OutOfMemoryError as e:
         why = "out of GPU memory while generating: lower --prompts_per_step, --group_size or "
         raise torch.cuda.OutOfMemoryError(why + "--max_completion_len") from e
@@ -84,12 +79,10 @@ def sample_draw(cfg, step, draw, policy, tokenizer, make_prompts, reward_fn, eva
                  for L in buf["completion_mask"].sum(1).tolist()]
     rewards = torch.tensor([t + p for (t, _, _), p in zip(scored, penalties)], device=dev)  # (B*G,)
     flat = (rewards.view(n, G).std(1) <= 1e-6).tolist()  # (B,) groups whose rewards all agree
-    return SimpleNamespace(buf=buf, rewards=rewards, flat=flat, scored=scored, penalties=penalties,
-                           pool=buf.pop("pool", {}))
+    return SimpleNamespace(buf=buf, rewards=rewards, flat=flat, scored=scored, penalties=penalties)
 
 
-def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_questions, dev,
-                pool=None):
+def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_questions, dev):
     """1. sample: this rank's share of the step's groups.
     Returns (buf, rewards (B*G,), stats over every completion sampled on every rank)."""
     from batching import concat_groups, select_groups
@@ -97,7 +90,7 @@ def sample_step(cfg, step, policy, tokenizer, make_prompts, reward_fn, eval_ques
     draws, kept, spare = [], [], []  # kept, spare: (draw, group) pairs
     for d in range(cfg.max_sampling_tries if cfg.dynamic_sampling else 1):
         draw = sample_draw(cfg, step, d, policy, tokenizer, make_prompts, reward_fn,
-                           eval_questions, dev, pool)
+                           eval_questions, dev)
         draws.append(draw)
         for b in range(n):
             # dynamic_sampling: a group whose rewards all agree has no gradient, it is spare
@@ -138,7 +131,6 @@ def sampling_stats(cfg, draws, n_chosen, n):
                  extra_rollouts=sum(t - 1 for t in tries) * n * cfg.group_size,
                  sampled_frac_reward_zero_std=sum(m["flat"] for m in ranks) / (n * sum(tries)),
                  decode=draws[0].buf["decode"], rollout_waves=draws[0].buf["waves"])
-    stats.update(draws[0].pool)  # the pool's, over every rank (pool.py)
     for i, name in enumerate(reward_names(cfg.reward)):
         each = torch.tensor([parts[i] for _, _, parts in scored])
         stats[f"reward/{name}"] = each.nanmean().item()  # a None (NaN) row is left out, as in TRL
@@ -186,7 +178,7 @@ def plan_memory(cfg, base, world, dev, dt):
     free memory (config.memory_plan), and refuse a run whose state cannot fit, before any weight
     loads. Rank 0's plan is every rank's."""
     from transformers import AutoConfig
-    from pool import free_gpu_bytes
+    from batching import free_gpu_bytes
     from rollout import kv_bytes_per_token
     asked = (cfg.gradient_checkpointing, cfg.micro_batch_tokens, cfg.fsdp)
     plan = default_plan(cfg, world)
@@ -317,7 +309,6 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     """set up (out_dir, memory, models), evaluate step 0 (or resume), then step until done"""
     from tqdm import tqdm
 
-    from pool import new_pool, pool_state
     r, world = rank(), world_size()
 
     # out_dir: a fresh run, or the checkpoint to resume (the other ranks wait for rank 0's)
@@ -344,12 +335,11 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         cfg=cfg, dev=dev, policy=policy, ref_model=ref_model, optimizer=optimizer, master=master,
         tokenizer=tokenizer, make_prompts=make_prompts, reward_fn=reward_fn,
         reward_count=reward_count, eval_set=eval_set, eval_questions={q for q, _ in eval_set},
-        t_start=t_start, log_path=os.path.join(cfg.out_dir, "log.jsonl"), pool=None)
+        t_start=t_start, log_path=os.path.join(cfg.out_dir, "log.jsonl"))
 
-    step, records, in_flight = 0, [], None
+    step, records = 0, []
     if state:
         step = checkpoint.restore_trainer_state(state, optimizer, r, ckpt)
-        in_flight = state.get("pool_ranks", [None] * world)[r]  # this rank's pool (pool.py)
         del state
         # the log up to step; later steps are redone
         records = checkpoint.read_log(trainer.log_path, step) if r == 0 else []
@@ -362,11 +352,6 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         pass_k = f", pass@{cfg.eval_pass_k} {ev['eval_pass_k']:.3f}" if cfg.eval_pass_k else ""
         print(f"step 0: held-out greedy accuracy {ev['eval_accuracy']:.3f} (format "
               f"{ev['eval_format']:.3f}) on {len(eval_set)} prompts{pass_k}")
-    if cfg.max_staleness:  # the groups in flight; a resume admits its in-flight ones again
-        def prompts(k):  # draw k: what a synchronous run samples at step k
-            return draw_prompts(cfg, k, 0, tokenizer, make_prompts, trainer.eval_questions, dev)
-        trainer.pool = new_pool(prompts, cfg.group_size, stop, tokenizer.pad_token_id, step,
-                                in_flight)
     if r == 0:
         checkpoint.write_log(trainer.log_path, records)
     pbar = tqdm(range(step + 1, cfg.max_steps + 1), initial=step, total=cfg.max_steps,
@@ -383,8 +368,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         records.append(rec)
         pbar.set_postfix(reward=f"{rec['reward_mean']:.3f}", acc=f"{rec['accuracy']:.2f}")
         if (cfg.save_every > 0 and step % cfg.save_every == 0) or last:
-            checkpoint.save_checkpoint(cfg, policy, master, tokenizer, optimizer, step,
-                                       pool_state(trainer.pool))
+            checkpoint.save_checkpoint(cfg, policy, master, tokenizer, optimizer, step)
         if out_of_time:
             tqdm.write(f"max_minutes={cfg.max_minutes} reached after step {step}")
             break
@@ -417,7 +401,7 @@ def train_step(trainer, step):
     with gathered(policy):  # FSDP2: the full weights for generation (a no-op otherwise)
         buf, rewards, sample_stats = sample_step(cfg, step, policy, trainer.tokenizer,
                                                  trainer.make_prompts, trainer.reward_fn,
-                                                 trainer.eval_questions, trainer.dev, trainer.pool)
+                                                 trainer.eval_questions, trainer.dev)
     t1 = time.time()
 
     # 2. update: advantages, mini-batches, old/ref log-probs, then the optimizer steps

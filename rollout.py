@@ -279,7 +279,7 @@ def sampling(model):
         model.train(was_training)
 
 
-# -- stop tokens and K/V size ---------------------------------------------------------------------
+# -- K/V budget: how many rows decode at once ------------------------------------------------------
 def eos_tensor(eos_token_id, device):
     """the ids that end a completion, an int or a list of ints (or () for none), as (n_eos,) long"""
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -295,6 +295,47 @@ def kv_bytes_per_token(config, dtype_bytes=2):
     D = getattr(config, "head_dim", None) or hidden // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return 2 * layers * kv_heads * D * dtype_bytes
+
+
+def waves(B, G, P, T, kv_token, budget):
+    """[(b0, b1, rows)]: B groups of G rows (P prompt columns, T new tokens) with K/V within budget
+    bytes (None: no cap): whole groups b0:b1 while one fits, else a group in parts of `rows` rows"""
+    group = kv_token * (P + G * max(T - 1, 1))  # the prompt once + G completion caches of T-1
+    if budget is None or B * group <= budget:  # (kv_token 0: the config lacks the fields: no cap)
+        return [(0, B, G)]
+    if group <= budget:
+        n = int(budget // group)
+        return [(b, min(b + n, B), G) for b in range(0, B, n)]
+    rows = int((budget / kv_token - P) // max(T - 1, 1))
+    if rows < 1:
+        raise torch.cuda.OutOfMemoryError(
+            f"rollout: one completion of {T} tokens after a {P}-token prompt needs "
+            f"{(P + T) * kv_token / 2**30:.1f} GiB of K/V ({kv_token} bytes a token) and "
+            f"{budget / 2**30:.1f} GiB is free for it: lower --max_completion_len or "
+            f"--max_prompt_len, or raise --rollout_kv_gib")
+    return [(b, b + 1, rows) for b in range(B)]
+
+
+def generate_in_waves(model, prompt_ids, prompt_mask, group_size, max_new_tokens, kv_budget,
+                      eos_token_id, pad_token_id, **kw):
+    """generate_groups(..., return_logprobs=True) with at most kv_budget bytes of K/V live at once
+    (waves() says how): the same rows, right-padded to the longest; LAST["waves"]: the calls."""
+    G, P = group_size, int(prompt_mask.sum(1).max())
+    kv_token = kv_bytes_per_token(model.config, next(model.parameters()).element_size())
+    outs = []
+    for b0, b1, rows in waves(prompt_ids.shape[0], G, P, max_new_tokens, kv_token, kv_budget):
+        for g0 in range(0, G, rows):
+            outs.append(generate_groups(
+                model, prompt_ids[b0:b1], prompt_mask[b0:b1], min(rows, G - g0), max_new_tokens,
+                eos_token_id=eos_token_id, pad_token_id=pad_token_id, return_logprobs=True, **kw))
+    LAST["waves"] = len(outs)
+    pad = (pad_token_id if pad_token_id is not None
+           else int(eos_tensor(eos_token_id, prompt_ids.device)[0]))
+    C = max(ids.shape[1] for ids, _, _ in outs)
+    ids = torch.cat([F.pad(x, (0, C - x.shape[1]), value=pad) for x, _, _ in outs])
+    mask = torch.cat([F.pad(x, (0, C - x.shape[1]), value=0) for _, x, _ in outs])
+    logps = torch.cat([F.pad(x, (0, C - x.shape[1]), value=0) for _, _, x in outs])
+    return ids, mask, logps
 
 
 # -- generate_groups: prefill, then decode one token at a time -------------------------------------
@@ -339,12 +380,9 @@ def decode_logits(rs, slots):
 
 
 def decode_one_token(rs, slots):
-    """one step: a token per slot, recorded at column rs.slot + 1 of its row (then all advance);
-    a slot with a token limit (slots.left) is done once its row holds that many"""
+    """one step: a token per slot, recorded at column rs.slot + 1 of its row (then all advance)"""
     tok, lp = draw(rs, decode_logits(rs, slots))
     record(tok, lp, slots, rs.slot, rs.ids, rs.logps, rs.keep, rs.is_eos, rs.pad)
-    if hasattr(slots, "left"):
-        slots.done |= rs.slot + 1 >= slots.left  # columns 0..slot are filled
 
 
 def make_step(rs, slots):
@@ -362,12 +400,11 @@ def make_step(rs, slots):
 
 def decode(rs, slots):
     """tokens 1..T-1, step s feeding token s-1 at completion column s-1; every CHECK_EVERY steps
-    the host reads which rows are done, to stop (all done, or rs.stop(the live rows) says so) or
-    compact. Returns the number of steps run."""
+    the host reads which rows are done, to stop or compact. Returns the number of steps run."""
     step, s = make_step(rs, slots), 1
     while s < rs.T:
         n, n_live = slots.rows.shape[0], int((~slots.done).sum())  # the host sync of this check
-        if n_live == 0 or (rs.stop and rs.stop(slots.rows[~slots.done].tolist())):
+        if n_live == 0:
             break
         nb = max(MIN_BUCKET, triton.next_power_of_2(n_live))
         if nb <= n // 2 and rs.T - s >= COMPACT_MIN_STEPS:  # compact: the live slots first (stable)
@@ -384,13 +421,10 @@ def decode(rs, slots):
 @torch.no_grad()
 def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, temperature=1.0,
                     top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=None,
-                    return_logprobs=False, compile=True, counts=None, limits=None, stop=None):
+                    return_logprobs=False, compile=True):
     """G completions per prompt: (B*G, C) right-padded ids and mask (1 through EOS), row b*G + g.
     temperature=0: greedy. eos_token_id: int, list, or () for none. return_logprobs: also (B*G, C)
-    float32 log-probs under the warped distribution each token was drawn from, 0 on padding.
-    For the pool (pool.py): counts (B,) rows per prompt instead of G (each row gets its own copy
-    of its prompt's K/V); limits (rows,) the tokens each row may add; stop(live rows) -> True ends
-    the call early, its unfinished rows as far as they got."""
+    float32 log-probs under the warped distribution each token was drawn from, 0 on padding."""
     if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
         raise ValueError("prompt_ids and prompt_mask must both be (B, P)")
     if not bool((prompt_mask[:, -1] == 1).all()):
@@ -409,9 +443,6 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
     impl = model.config._attn_implementation
     if not why and impl not in ("sdpa", "eager"):
         why = f"attn_implementation {impl!r} is not 'sdpa' or 'eager'"
-    if why and (counts or limits or stop):
-        raise ValueError(f"the rollout pool (--max_staleness > 0) needs our decode: {why}; "
-                         f"use --max_staleness=0")
     if why:
         warnings.warn(f"rollout.generate_groups: {why}; sampling with model.generate")
         LAST.clear()
@@ -421,19 +452,13 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
     warpers = make_warpers(temperature, top_p, top_k)
     prompt_ids, prompt_mask = trim_left_padding(prompt_ids, prompt_mask.long())
     (B, P), G, T, dev = prompt_ids.shape, group_size, max_new_tokens, prompt_ids.device
-    N = B * G if counts is None else sum(counts)
+    N = B * G
     attn_impl = ("triton" if dev.type == "cuda" else "torch") if ATTENTION == "auto" else ATTENTION
     graph = CUDA_GRAPH and dev.type == "cuda"
     compiled = (compile and T >= COMPILE_MIN_TOKENS
                 and (dev.type == "cuda" or COMPILE_BACKEND != "inductor"))
     with sampling(model):
         logits, pos, prefix = prefill(model, prompt_ids, prompt_mask)  # (B, V), (B, P)
-        start = (P - prompt_mask.sum(1)).to(torch.int32)  # (B,) each prompt's first real column
-        if counts is not None:  # every row its prompt's own copy: to the kernel, G = 1
-            per = torch.tensor(counts, device=dev)
-            logits, pos, start = (x.repeat_interleave(per, 0) for x in (logits, pos, start))
-            prefix = [(k.repeat_interleave(per, 0), v.repeat_interleave(per, 0)) for k, v in prefix]
-            G = 1
         seed = None  # the Triton sampler's, from torch's generator: reproducible under manual_seed
         if temperature > 0 and top_k == 0 and top_p >= 1 and dev.type == "cuda":
             seed = torch.randint(2**62, (1,), device=dev)
@@ -448,7 +473,7 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
             keep=torch.zeros(N, T, dtype=torch.bool, device=dev),  # True through each row's EOS
             logps=torch.zeros(N, T, dtype=torch.float32, device=dev),  # the sampler's log-probs
             is_eos=torch.zeros(logits.shape[-1], dtype=torch.bool, device=dev),  # (V,) a lookup
-            layers=layers, start=start, stop=stop,
+            layers=layers, start=(P - prompt_mask.sum(1)).to(torch.int32),  # first real column
             slot=torch.zeros(1, dtype=torch.long, device=dev),  # the fed token's column: step - 1
             fused=fused, rope_attn=fused is not None and rope_in_attention(model),
             attn_impl=attn_impl, graph=graph, compiled=compiled)
@@ -459,9 +484,6 @@ def generate_groups(model, prompt_ids, prompt_mask, group_size, max_new_tokens, 
         # slot i decodes cache row rows[i]: (n,) rows, (n, 1) fed token and position, (n,) done
         slots = SimpleNamespace(rows=torch.arange(N, device=dev), tok=tok[:, None].clone(),
                                 pos=pos[:, -1:].repeat_interleave(G, 0) + 1, done=rs.is_eos[tok])
-        if limits is not None:
-            slots.left = torch.tensor(limits, device=dev)
-            slots.done |= slots.left <= 1
         LAST.clear()
         LAST.update(buckets=[N], steps=0, attention=attn_impl, graph=graph,
                     fused=fused is not None, rope="attention" if rs.rope_attn else "torch")

@@ -1560,18 +1560,18 @@ def test_grpo_completions_end_at_every_stop_token():
     from transformers import AutoModelForCausalLM
     import checkpoint
     import grpo
-    import pool
+    import batching
     tok = checkpoint.load_tokenizer(_tiny_model_dir())
     model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
     ids, mask = grpo.encode_prompts(tok, ["What is 1 + 2?", "Hi"], 64, torch.device("cpu"))
-    free = pool.rollout(model, ids, mask, 1, 6, 0.0, 1.0, (), tok.pad_token_id)  # greedy, nothing stops it
+    free = batching.rollout(model, ids, mask, 1, 6, 0.0, 1.0, (), tok.pad_token_id)  # greedy, nothing stops it
     assert free["truncated"].all() and free["completion_mask"].sum(1).tolist() == [6, 6]
     first = int(free["completion_ids"][0, 0])  # row 0's first greedy token, made a second EOS below
     assert first != tok.eos_token_id and grpo.stop_token_ids(model, tok) == [tok.eos_token_id]
     model.generation_config.eos_token_id = [first, tok.eos_token_id]
     stop = grpo.stop_token_ids(model, tok)
     assert stop == sorted({tok.eos_token_id, first}), stop
-    buf = pool.rollout(model, ids, mask, 1, 6, 0.0, 1.0, stop, tok.pad_token_id)
+    buf = batching.rollout(model, ids, mask, 1, 6, 0.0, 1.0, stop, tok.pad_token_id)
     assert buf["completion_mask"][0].sum() == 1 and not buf["truncated"][0], buf
 
 
@@ -1908,152 +1908,6 @@ def _train_args(out, steps, *extra):
     return [f"--model={_tiny_model_dir()}", "--task=arithmetic", f"--max_steps={steps}", "--prompts_per_step=2",
             "--group_size=4", "--max_completion_len=8", "--device=cpu", "--dtype=float32", f"--out_dir={out}",
             "--eval_size=4", *extra]
-
-
-# pool.py
-def _pool_cfg(**kw):
-    import config
-    args = dict(group_size=3, max_completion_len=12, temperature=0.0, max_staleness=1, prompts_per_step=2)
-    args.update(kw)
-    return config.parse_config([f"--{k}={v}" for k, v in args.items()] + ["--compile=False"])
-
-
-def _pool_prompts(n, P=5, vocab=100):
-    """draw k: n left-padded prompts of lengths 2..P, a function of k alone (as a run's draws)"""
-    def draw(k):
-        g = torch.Generator().manual_seed(k)
-        ids = torch.randint(3, vocab, (n, P), generator=g)
-        lens = torch.randint(2, P + 1, (n,), generator=g)
-        mask = (torch.arange(P)[None] >= P - lens[:, None]).long()
-        return [(f"q{k}.{b}", None) for b in range(n)], ids.masked_fill(mask == 0, 0), mask
-    return draw
-
-
-@check
-def test_pool_rows_carried_over_steps_end_as_one_call_would():
-    """greedy, weights unchanged: each trained group's completions are exactly what one generate_groups call on its
-    prompt gives, though its rows were stopped early, carried, and re-prefilled as prompt ++ tokens so far with a
-    token limit; every step trains n complete groups, the oldest first, at most N steps after admission; nothing
-    admitted is dropped (all drain, in admission order of their draws); rows carried and occupancy are logged"""
-    import pool
-    import rollout
-    torch.manual_seed(0)
-    model = tiny_model(num_hidden_layers=1)
-    eos = list(range(3, 10))  # 7 of 100 ids end a row: ragged greedy lengths
-    n, G, T = 2, 3, 32
-    for N in (1, 2):  # (N = 2: a step may train groups younger than its due ones)
-        cfg, draw = _pool_cfg(max_staleness=N, max_completion_len=T), _pool_prompts(n)
-        p, trained, carried = pool.new_pool(draw, G, eos, 0), {}, 0
-        for step in range(1, 6):
-            buf, pairs = pool.pool_step(p, model, step, n, cfg)
-            stats = buf["pool"]
-            saved = pool.pool_state(p)  # what a checkpoint keeps: each group in flight, admitted again on resume
-            again = pool.new_pool(draw, G, eos, 0, step, saved)
-            assert [(g.draw, g.index, g.step, g.pair) for g in again.groups] == [
-                (g.draw, g.index, g.step, g.pair) for g in p.groups] and again.admitted == p.admitted
-            assert all(len(r.ids) == 0 for g in again.groups for r in g.rows)  # rows regenerated
-            assert len(pairs) == n and buf["completion_ids"].shape[0] == n * G
-            occupancy = stats["slot_occupancy"]  # (NaN: the step trained groups that had completed, no decode)
-            assert stats["staleness_max"] <= N and (occupancy != occupancy or 0 < occupancy <= 1), stats
-            carried += stats["rows_carried"]
-            for b, (q, _) in enumerate(pairs):
-                trained[q] = (buf["prompt_ids"][b][buf["prompt_mask"][b].bool()],
-                              [buf["completion_ids"][b * G + g][buf["completion_mask"][b * G + g].bool()] for g in range(G)],
-                              buf["truncated"][b * G:(b + 1) * G].tolist())
-        assert p.admitted == 5 + N and len(p.groups) == N * n, (p.admitted, len(p.groups))
-        assert sorted(trained) == sorted(f"q{k}.{b}" for k in range(1, 6) for b in range(n))  # none lost or repeated
-        assert carried > 0, "no row was carried part-way: the check would not test the re-prefill"
-        for q, (prompt, rows, truncated) in trained.items():
-            ids, keep = rollout.generate_groups(model, prompt[None], torch.ones_like(prompt)[None], G, T,
-                                                temperature=0.0, eos_token_id=eos, pad_token_id=0, compile=False)
-            for g in range(G):
-                want = ids[g][keep[g].bool()]
-                assert torch.equal(rows[g], want), (q, rows[g].tolist(), want.tolist())
-                assert truncated[g] == (len(want) == T and int(want[-1]) not in eos), q
-
-
-@check
-def test_pool_staleness_bound_holds_when_later_groups_finish_first():
-    """the decode, played as a clock: each row ends a random number of ticks after its admission (geometric,
-    capped, as ragged lengths), so groups admitted later often complete before earlier ones. For N = 1..3 every step still trains n groups, none
-    more than N steps after its admission, and the decode never waits once every row has ended"""
-    import random
-    import pool
-    n, G = 3, 2
-    for N in (1, 2, 3):
-        rng = random.Random(0)
-        cfg = _pool_cfg(max_staleness=N, group_size=G, prompts_per_step=n)
-        p, clock, worst = pool.new_pool(_pool_prompts(n), G, [1], 0), 0, 0
-        for step in range(1, 40):
-            pool.admit(p, step, n, cfg, None)
-            for g in p.groups:
-                for r in g.rows:
-                    r.end = getattr(r, "end", None) or clock + min(1 + int(rng.expovariate(1 / 5)), 20)
-            while not pool.ready(p.groups, step, N, n, lambda r: r.end <= clock):
-                assert any(r.end > clock for g in p.groups for r in g.rows), (N, step, "stuck")
-                clock += 1
-            for g in p.groups:
-                for r in g.rows:
-                    if r.end <= clock and not r.ended:
-                        r.ids, r.logps, r.ended, r.eos = torch.tensor([1]), torch.zeros(1), True, True
-                if g.order is None and all(r.ended for r in g.rows):
-                    g.order, p.ended = p.ended, p.ended + 1
-            buf, pairs, staleness = pool.take(p, step, n, cfg)
-            assert len(pairs) == n, (N, step)
-            worst = max(worst, *staleness)
-        assert worst == N, (N, worst)  # the bound is reached, never passed
-
-
-@check
-def test_pool_step_checks_and_the_loss_correction_default():
-    """a step's groups must fit the K/V budget (a clear error, before decoding); the pool refuses dynamic sampling;
-    vllm_importance_sampling_correction=auto is on exactly when max_staleness > 0 (per token then), and an explicit
-    value wins"""
-    import config
-    import pool
-    model = tiny_model(num_hidden_layers=1)
-    cfg = _pool_cfg(rollout_kv_gib=1e-6)  # a few rows' K/V
-    assert_raises(ValueError, lambda: pool.pool_step(pool.new_pool(_pool_prompts(2), 3, [2], 0), model, 1, 2, cfg),
-                  "--max_staleness=0")
-    assert config.parse_config([]).vllm_importance_sampling_correction is False
-    assert config.parse_config(["--max_staleness=2"]).vllm_importance_sampling_correction is True
-    off = config.parse_config(["--max_staleness=2", "--vllm_importance_sampling_correction=False"])
-    assert off.vllm_importance_sampling_correction is False
-    # and its mode: TRL's sequence_mask, but per token for a pool (a sum of log-ratios over a long stale row drifts)
-    assert config.parse_config([]).vllm_importance_sampling_mode == "sequence_mask"
-    assert config.parse_config(["--max_staleness=1"]).vllm_importance_sampling_mode == "token_mask"
-    mode = ["--max_staleness=1", "--vllm_importance_sampling_mode=sequence_truncate"]
-    assert config.parse_config(mode).vllm_importance_sampling_mode == "sequence_truncate"
-    bad = config.parse_config(["--max_staleness=1", "--dynamic_sampling=True"])
-    assert_raises(ValueError, lambda: config.check_config(bad), "--dynamic_sampling")
-    # before the weights load: a step's rows' K/V must fit beside the state (1.5B-shaped, 28 KiB a token; 32 x 16
-    # rows at 64 + 2 x 4096 tokens = 117 GiB on an 80 GiB GPU), else the refusal names --max_staleness=0
-    long = ["--model=/models/q15", "--max_completion_len=4096", "--max_prompt_len=64"]
-    err = config.memory_plan(config.parse_config(long + ["--max_staleness=1"]), 1.5e9, 1, 80 * 2**30, 28672)[0]
-    assert len(err) == 1 and "--max_staleness=0" in err[0] and "512 rows" in err[0], err
-    assert config.memory_plan(config.parse_config(long), 1.5e9, 1, 80 * 2**30, 28672)[0] == []
-
-
-@check
-def test_grpo_max_staleness_run_logs_the_pool_and_resumes():
-    """a CPU run with --max_staleness=1: every step trains prompts_per_step groups, the log carries the pool's
-    staleness, rows carried, slot occupancy and the trained against the sampled mean length; its checkpoint keeps
-    the groups in flight, and a resume admits them again and goes on"""
-    import json
-    import tempfile
-    out = tempfile.mkdtemp(prefix="nanogrpo_pool_")
-    args = _train_args(out, 2, "--max_staleness=1", "--eval_every=0", "--max_completion_len=16")
-    res = _quiet_train(args)
-    state = torch.load(os.path.join(out, "ckpt", "trainer_state.pt"), weights_only=False)
-    assert state["pool_ranks"][0]["admitted"] == 3 and len(state["pool_ranks"][0]["groups"]) == 2, state["pool_ranks"]
-    assert res.cfg.vllm_importance_sampling_correction is True
-    _quiet_train([a.replace("--max_steps=2", "--max_steps=3") for a in args] + ["--resume=True"])
-    recs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))][1:]
-    assert [r["step"] for r in recs] == [1, 2, 3] and all(r["groups"] == 2 for r in recs), recs
-    for r in recs:
-        assert r["staleness_max"] <= 1 and 0 <= r["staleness_mean"] <= 1, r
-        assert {"rows_carried", "completion_len_trained"} <= set(r), sorted(r)
-    assert any("completion_len_sampled" in r for r in recs), "no step decoded"  # (a step may train what ended)
 
 
 @check
@@ -2412,28 +2266,28 @@ def test_grpo_auto_memory_sizes_checkpointing_and_micro_batch():
 @check
 @_kv_one_thread
 def test_rollout_in_waves_equals_one_call():
-    """pool.rollout under a K/V budget (--rollout_kv_gib) smaller than the batch's: waves of whole groups, or a
+    """batching.rollout under a K/V budget (--rollout_kv_gib) smaller than the batch's: waves of whole groups, or a
     group in parts of its rows when one group does not fit, give the rows one call gives (greedy, float32; prompts
     of mixed lengths, rows of different lengths: each wave right-padded to the longest); a budget under one row is
     refused with the numbers before anything runs"""
-    import pool
+    import batching
     import rollout
     G, T = 4, 10
     model = _kv_model("qwen2")
     prompt_ids, prompt_mask, _, _ = _kv_batch(G=G, prompt_lens=(7, 2, 4), seed=3)
     eos = sorted({row[4] for row in _kv_generate_reference(model, prompt_ids, prompt_mask, T, eos=99999)})[:2]
     kv = rollout.kv_bytes_per_token(model.config, 4)
-    one = pool.rollout(model, prompt_ids, prompt_mask, G, T, 0.0, 1.0, eos, 0)
+    one = batching.rollout(model, prompt_ids, prompt_mask, G, T, 0.0, 1.0, eos, 0)
     assert rollout.LAST["waves"] == 1 and one["completion_mask"].sum(1).min() < T, "no row ended early"
     for groups, rows, calls in ((2, G, 2), (0, 3, 6), (0, 1, 12)):  # budget: 2 groups; 3 rows of a group; 1 row
         gib = kv * (groups * (7 + G * (T - 1)) if groups else 7 + rows * (T - 1)) / 2**30
-        buf = pool.rollout(model, prompt_ids, prompt_mask, G, T, 0.0, 1.0, eos, 0, kv_gib=gib)
+        buf = batching.rollout(model, prompt_ids, prompt_mask, G, T, 0.0, 1.0, eos, 0, kv_gib=gib)
         assert rollout.LAST["waves"] == calls, (groups, rows, rollout.LAST["waves"])
         for k in ("completion_ids", "completion_mask", "truncated", "prompt_ids"):
             assert torch.equal(buf[k], one[k]), f"{groups} groups / {rows} rows a wave: {k}"
         assert_close(buf["sampler_logp"], one["sampler_logp"], 1e-5, f"{groups} groups / {rows} rows: log-probs")
     try:
-        pool.rollout(model, prompt_ids, prompt_mask, G, T, 0.0, 1.0, eos, 0, kv_gib=kv * 12 / 2**30)
+        batching.rollout(model, prompt_ids, prompt_mask, G, T, 0.0, 1.0, eos, 0, kv_gib=kv * 12 / 2**30)
         raise AssertionError("a budget under one row was not refused")
     except torch.cuda.OutOfMemoryError as e:
         assert all(w in str(e) for w in ("10 tokens", "7-token prompt", f"{kv} bytes a token")), e
@@ -3149,14 +3003,14 @@ def test_grpo_eval_pass_at_k():
     assert got[1e-4, 4]["eval_pass_k"] == got[1e-4, 4]["eval_accuracy"] == 0, got
     assert got[2.0, 4]["eval_pass_k"] > got[2.0, 1]["eval_pass_k"] > 0, got
     assert "eval_pass_k" not in grpo.evaluate(model, tok, held[:1], digit, _trainer_cfg(), torch.device("cpu"))
-    import pool  # chunks of even size: 9 prompts in chunks of up to 8 are 5 + 4, not 8 + 1 (one prompt, one
-    sizes, real = [], pool.rollout  # slot: a decode graph of its own on the GPU)
-    pool.rollout = lambda model, ids, *a, **kw: sizes.append(ids.shape[0]) or real(model, ids, *a, **kw)
+    import batching  # chunks of even size: 9 prompts in chunks of up to 8 are 5 + 4, not 8 + 1 (one prompt,
+    sizes, real = [], batching.rollout  # one slot: a decode graph of its own on the GPU)
+    batching.rollout = lambda model, ids, *a, **kw: sizes.append(ids.shape[0]) or real(model, ids, *a, **kw)
     try:
         held9 = tasks.held_out_set(tasks.arithmetic_prompts, 9, 1)
         grpo.evaluate(model, tok, held9, digit, _trainer_cfg(max_completion_len=4), torch.device("cpu"), batch=8)
     finally:
-        pool.rollout = real
+        batching.rollout = real
     assert sizes == [5, 4], sizes
 
 
