@@ -51,22 +51,15 @@ def generate(model, prompt_ids, prompt_mask, n, temperature, top_p, cfg, tokeniz
 
 # -----------------------------------------------------------------------------
 # 1. sample: a step's groups of completions and their rewards
-def draw_prompts(cfg, step, draw, tokenizer, make_prompts, eval_questions, dev):
-    """this rank's share of a step's draw: [(question, example)] and their ids and mask (B, P)"""
-    n = cfg.prompts_per_step // world_size()
+def sample_draw(cfg, step, draw, policy, tokenizer, make_prompts, reward_fn, eval_questions, dev):
+    """one draw of prompts for this rank, its groups sampled and scored. A completion's reward is
+    the weighted sum of the rewards plus DAPO's soft overlong penalty."""
+    n, G = cfg.prompts_per_step // world_size(), cfg.group_size
     seed = step_seed(cfg.seed, step, draw)
     pairs = train_prompts(make_prompts, cfg.prompts_per_step, seed, cfg.difficulty, eval_questions)
     pairs = pairs[rank() * n:(rank() + 1) * n]  # the one-process step's prompts, cut by rank
-    ids, mask = encode_prompts(tokenizer, [q for q, _ in pairs], cfg.max_prompt_len, dev)
-    return pairs, ids, mask
-
-
-def sample_draw(cfg, step, draw, policy, tokenizer, make_prompts, reward_fn, eval_questions, dev):
-    """one draw of prompts for this rank, sampled and scored; a reward is the weighted sum of the
-    rewards plus DAPO's soft overlong penalty"""
-    n, G = cfg.prompts_per_step // world_size(), cfg.group_size
-    pairs, prompt_ids, prompt_mask = draw_prompts(cfg, step, draw, tokenizer, make_prompts,
-                                                  eval_questions, dev)
+    questions = [q for q, _ in pairs]
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, questions, cfg.max_prompt_len, dev)
     try:
         buf = generate(policy, prompt_ids, prompt_mask, G, cfg.temperature, cfg.top_p, cfg,
                        tokenizer)
@@ -308,7 +301,6 @@ def train(argv):
 def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     """set up (out_dir, memory, models), evaluate step 0 (or resume), then step until done"""
     from tqdm import tqdm
-
     r, world = rank(), world_size()
 
     # out_dir: a fresh run, or the checkpoint to resume (the other ranks wait for rank 0's)

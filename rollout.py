@@ -409,7 +409,8 @@ def decode(rs, slots):
         nb = max(MIN_BUCKET, triton.next_power_of_2(n_live))
         if nb <= n // 2 and rs.T - s >= COMPACT_MIN_STEPS:  # compact: the live slots first (stable)
             order = torch.argsort(slots.done.to(torch.int8), stable=True)[:nb]
-            slots = SimpleNamespace(**{k: v[order] for k, v in vars(slots).items()})
+            slots = SimpleNamespace(rows=slots.rows[order], tok=slots.tok[order],
+                                    pos=slots.pos[order], done=slots.done[order])
             step = make_step(rs, slots)
             LAST["buckets"].append(nb)
         for _ in range(min(CHECK_EVERY, rs.T - s)):

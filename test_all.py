@@ -1558,9 +1558,9 @@ def test_grpo_completions_end_at_every_stop_token():
     """a completion ends at the tokenizer's EOS or at any EOS the model's generation_config lists (what
     model.generate stops at: Llama-3.1-Instruct lists three), and one that ended so is not truncated"""
     from transformers import AutoModelForCausalLM
+    import batching
     import checkpoint
     import grpo
-    import batching
     tok = checkpoint.load_tokenizer(_tiny_model_dir())
     model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
     ids, mask = grpo.encode_prompts(tok, ["What is 1 + 2?", "Hi"], 64, torch.device("cpu"))
@@ -3003,8 +3003,8 @@ def test_grpo_eval_pass_at_k():
     assert got[1e-4, 4]["eval_pass_k"] == got[1e-4, 4]["eval_accuracy"] == 0, got
     assert got[2.0, 4]["eval_pass_k"] > got[2.0, 1]["eval_pass_k"] > 0, got
     assert "eval_pass_k" not in grpo.evaluate(model, tok, held[:1], digit, _trainer_cfg(), torch.device("cpu"))
-    import batching  # chunks of even size: 9 prompts in chunks of up to 8 are 5 + 4, not 8 + 1 (one prompt,
-    sizes, real = [], batching.rollout  # one slot: a decode graph of its own on the GPU)
+    import batching  # chunks of even size: 9 prompts in chunks of up to 8 are 5 + 4, not 8 + 1 (one prompt, one
+    sizes, real = [], batching.rollout  # slot: a decode graph of its own on the GPU)
     batching.rollout = lambda model, ids, *a, **kw: sizes.append(ids.shape[0]) or real(model, ids, *a, **kw)
     try:
         held9 = tasks.held_out_set(tasks.arithmetic_prompts, 9, 1)
