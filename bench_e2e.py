@@ -242,11 +242,14 @@ def main(args):
     for model in sorted({cells[k][0] for k in one}) if streams > 1 else []:
         model_path(model)
 
-    def row(name, s=0):  # stream s runs on GPU s % gpus
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # (a parent may have narrowed the GPUs already)
+    ids = visible.split(",") if visible else [str(i) for i in range(gpus)]  # the GPUs this process sees
+
+    def row(name, s=0):  # stream s runs on the s % gpus-th GPU this process sees
         model, flags, nproc = cells[name]
         if nproc > max(gpus, 1) or (nproc > 1 and not gpus):
             return print_row(dict(cell=name, ok=False, skipped=True, wall=0, why=f"needs {nproc} GPUs, {gpus} here"))
-        env = {"CUDA_VISIBLE_DEVICES": str(s % gpus)} if streams > 1 and nproc == 1 and gpus else None
+        env = {"CUDA_VISIBLE_DEVICES": ids[s % gpus]} if streams > 1 and nproc == 1 and gpus else None
         return print_row(run_cell(name, model, flags, nproc, env=env))
     with ThreadPoolExecutor(streams) as pool:  # each stream its share of the one-GPU cells in turn, then the rest
         rows = [r for rs in pool.map(lambda s: [row(k, s) for k in one[s::streams]], range(streams)) for r in rs]
