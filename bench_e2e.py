@@ -223,10 +223,15 @@ def print_row(r):
     return r
 
 
+def select_cells(cells, args):
+    """the cells whose name has every WORD and no -WORD of args (--key=value args aside)"""
+    words = [a for a in args if not a.startswith("--")]
+    return {k: v for k, v in cells.items() if all((w[1:] not in k) if w.startswith("-") else (w in k) for w in words)}
+
+
 def main(args):
     import torch
-    words = [a for a in args if not a.startswith("--")]  # "-word": not the cells whose name contains it
-    cells = {k: v for k, v in CELLS.items() if all((w[1:] not in k) if w.startswith("-") else (w in k) for w in words)}
+    cells = select_cells(CELLS, args)
     if "--list" in args:
         for k, (model, flags, nproc) in cells.items():
             print(f"{k:<48} {model:<16} nproc={nproc} {' '.join(flags)}")

@@ -208,9 +208,7 @@ def main(words):
         return
     import torch
     extra = [w for w in words if w.startswith("--")]  # --key=value: added to every cell's flags
-    out = [w[1:] for w in words if w.startswith("-") and w not in extra]  # -WORD: not these cells
-    want = [w for w in words if not w.startswith("-")]
-    chosen = [k for k in CELLS if all(w in k for w in want) and not any(w in k for w in out)]
+    chosen = list(bench_e2e.select_cells(CELLS, words))  # every WORD, no -WORD
     chosen += [RAGGED_TWIN[k] for k in chosen if k in RAGGED_TWIN]  # a ragged cell is read against its twin
     cells = {k: v for k, v in CELLS.items() if k in chosen}  # (CELLS' order: the twin runs first)
     results = {}
