@@ -6,9 +6,10 @@ of it, packed into one sequence of real tokens (no padding). A micro-batch of gr
 
 where p_b is prompt b's last token: its hidden state predicts a completion's first token, so each
 completion segment starts with it. Positions restart at len(prompt_b) - 1 in every segment, and a
-token sees key k iff k is at or before it, in its group, and in the prompt or in its own segment:
+token sees key k iff k is at or before it, in its group, and in the prompt or in its own segment
+(group[t]: token t's group; seg[t]: its completion, or PROMPT):
 
-    allowed(q, k) = k <= q  and  doc[k] == doc[q]  and  (seg[k] == PROMPT or seg[k] == seg[q])
+    allowed(q, k) = k <= q  and  group[k] == group[q]  and  (seg[k] == PROMPT or seg[k] == seg[q])
 
 Every completion then sees exactly what it saw when it was sampled, and the loss reaches the prompt
 through the attention like any other token: no K/V copies, no cache.
@@ -16,7 +17,7 @@ through the attention like any other token: no K/V copies, no cache.
     padded:  B*G*(P + C - 1) slots (every completion re-reads its prompt; rows padded)
     packed:  sum over groups of (p - 1) + the completions' real lengths
 
-The attention runs the row as variable-length sequences (packed_sequences; flash varlen on a GPU),
+The attention runs the row as variable-length sequences (pack_layout; flash varlen on a GPU),
 the prompt's K/V gathered once per completion segment: autograd sums their G gradients back into
 the prompt. Left out: sliding-window and hybrid models, which take the padded full path (as HF).
 """
@@ -33,73 +34,64 @@ from torch.nn.attention.varlen import varlen_attn
 from transformers import AttentionInterface
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # full-attention decoders we have checked
-PROMPT = -1  # seg of a prompt token
 # torch 2.11 and 2.13 spell causal and GQA differently; older flash takes K/V heads as they are
 VARLEN_ARGS = inspect.signature(varlen_attn).parameters
 CAUSAL = {"window_size": (-1, 0)} if "window_size" in VARLEN_ARGS else {"is_causal": True}
 
 
 # the packed row: its layout, its sequences, its attention --------------------------------------
-def pack_layout(p_len, c_len, P, C, G):
-    """Host index tensors of the packed row of B groups: p_len (B,) prompt lengths, c_len (B*G,)
-    completion lengths, P and C the padded widths. src indexes cat(prompt_ids.flatten(),
-    completion_ids.flatten()); pos, doc, seg per token; out: the tokens whose hidden states predict
-    the completion tokens, in completion_mask's row-major order."""
+def pack_layout(p_len, c_len, P, C, G, device):
+    """The packed row of B groups, built on the host from p_len (B,) prompt lengths and c_len (B*G,)
+    completion lengths (P and C the padded widths), then sent to device:
+      src (T,) each token's index in cat(prompt_ids.flatten(), completion_ids.flatten())
+      pos (T,) its position id
+      out (N,) the tokens whose hidden states predict the completion tokens, row-major
+      seqs     the attention as variable-length sequences: each group's prompt[:-1] over itself,
+               then each completion segment over the keys [its prompt[:-1] ++ itself]. Both
+               causal, aligned bottom-right: a segment's query i sees keys up to
+               len(prompt) - 1 + i. kv_src (T_k,) the packed token of each key, cu_q and cu_k
+               (S+1,) the sequences' starts among the queries and the keys, max_q and max_k,
+               and the host bounds [(q0, q1, k0, k1)] of each sequence (for varlen_torch)."""
     B, none = len(p_len), torch.zeros(0, dtype=torch.long)
-    src, pos, doc, seg, out = [none], [none], [none], [none], [none]
+    src, pos, out, kv_src, bounds = [none], [none], [none], [none], []
+
+    def sequence(q0, q1, keys):  # the queries q0..q1-1 of the row over the tokens keys
+        k0 = bounds[-1][3] if bounds else 0
+        bounds.append((q0, q1, k0, k0 + len(keys)))
+        kv_src.append(keys)
     t = 0  # tokens so far
     for b, p in enumerate(p_len):
         last = b * P + P - 1  # the prompt's last token in the flat prompt ids (left-padded)
-        src.append(torch.arange(last - p + 1, last))  # prompt[:-1]
+        prompt = torch.arange(t, t + p - 1)  # prompt[:-1] in the row
+        src.append(torch.arange(last - p + 1, last))
         pos.append(torch.arange(p - 1))
-        doc.append(torch.full((p - 1,), b))
-        seg.append(torch.full((p - 1,), PROMPT))
+        if p > 1:
+            sequence(t, t + p - 1, prompt)
         t += p - 1
         for r in range(b * G, (b + 1) * G):
             c, first = c_len[r], B * P + r * C  # completion r's first token in the flat ids
             if c == 0:
                 continue
+            own = torch.arange(t, t + c)
             src.append(torch.cat([torch.tensor([last]), torch.arange(first, first + c - 1)]))
             pos.append(torch.arange(p - 1, p - 1 + c))
-            doc.append(torch.full((c,), b))
-            seg.append(torch.full((c,), r))
-            out.append(torch.arange(t, t + c))
+            out.append(own)
+            sequence(t, t + c, torch.cat([prompt, own]))
             t += c
-    cat = lambda xs: torch.cat(xs).long()  # noqa: E731
-    return cat(src), cat(pos), cat(doc), cat(seg), cat(out)
-
-
-def packed_sequences(doc, seg, device):
-    """The attention of a packed row as variable-length sequences, from pack_layout's host doc and
-    seg: each group's prompt[:-1] over itself, then each completion segment over the keys
-    [its prompt[:-1] ++ itself]. Both causal, aligned bottom-right: a segment's query i sees keys
-    up to len(prompt) - 1 + i. Returns kv_src (T_k,) the packed token of each key, cu_q and cu_k
-    (S+1,) the sequences' starts among the queries and the keys, max_q and max_k, and the host
-    bounds [(q0, q1, k0, k1)] of each sequence (for varlen_torch)."""
-    key = doc * 2**32 + seg - PROMPT  # one int per (doc, seg): a 1-D scan, not a row compare
-    runs, counts = torch.unique_consecutive(key, return_counts=True)
-    kv_src, bounds, prompt_of, t, tk = [], [], {}, 0, 0  # t, tk: queries and keys so far
-    for d, s, n in zip((runs >> 32).tolist(), ((runs & (2**32 - 1)) + PROMPT).tolist(),
-                       counts.tolist()):
-        own = torch.arange(t, t + n)
-        if s == PROMPT:
-            prompt_of[d] = own
-        keys = own if s == PROMPT else torch.cat([prompt_of.get(d, own[:0]), own])  # (p = 1: none)
-        kv_src.append(keys)
-        bounds.append((t, t + n, tk, tk + len(keys)))
-        t, tk = t + n, tk + len(keys)
+    to_dev = lambda xs: torch.cat(xs).long().to(device, non_blocking=True)  # noqa: E731
     cu_q = torch.tensor([0] + [q1 for _, q1, _, _ in bounds], dtype=torch.int32)
     cu_k = torch.tensor([0] + [k1 for _, _, _, k1 in bounds], dtype=torch.int32)
-    to_dev = lambda x: x.to(device, non_blocking=True)  # noqa: E731
-    return SimpleNamespace(
-        kv_src=to_dev(torch.cat(kv_src)), cu_q=to_dev(cu_q), cu_k=to_dev(cu_k), bounds=bounds,
-        max_q=max(q1 - q0 for q0, q1, _, _ in bounds),
-        max_k=max(k1 - k0 for _, _, k0, k1 in bounds))
+    seqs = SimpleNamespace(
+        kv_src=to_dev(kv_src), cu_q=cu_q.to(device, non_blocking=True),
+        cu_k=cu_k.to(device, non_blocking=True), bounds=bounds,
+        max_q=max((q1 - q0 for q0, q1, _, _ in bounds), default=0),
+        max_k=max((k1 - k0 for _, _, k0, k1 in bounds), default=0))
+    return to_dev(src), to_dev(pos), to_dev(out), seqs
 
 
 def varlen_torch(q, k, v, m, scale, gqa):
-    """packed_sequences' attention as SDPA a sequence at a time: the reference, and the path on
-    the CPU and in float32 (flash has neither). (T, h, D) queries -> (T, h, D)"""
+    """The attention of pack_layout's sequences as SDPA, one at a time: the reference, and the
+    path on the CPU and in float32 (flash has neither). (T, h, D) queries -> (T, h, D)"""
     out = []
     for q0, q1, k0, k1 in m.bounds:
         mask = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device)
@@ -113,7 +105,7 @@ def varlen_torch(q, k, v, m, scale, gqa):
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      **kwargs):
     """HF attention "nanogrpo_packed": (1, h, T, D) queries over (1, kvh, T, D) keys and values,
-    as packed_sequences' sequences (attention_mask); flash varlen on a GPU in 16-bit, else
+    as pack_layout's sequences (attention_mask); flash varlen on a GPU in 16-bit, else
     varlen_torch. GQA inside the kernel (K/V heads are not repeated)."""
     if dropout > 0:
         raise ValueError("the packed attention has no dropout: set attention_dropout=0")
@@ -201,9 +193,7 @@ def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion
     if lengths is None:
         lens = torch.cat([prompt_mask.long().sum(1), completion_mask.long().sum(1)]).tolist()
         lengths = lens[:B], lens[B:]
-    src, pos, doc, seg, out = pack_layout(*lengths, P, C, G)  # host tensors: no read-back
-    seqs = packed_sequences(doc, seg, prompt_ids.device)
-    src, pos, out = (x.to(prompt_ids.device, non_blocking=True) for x in (src, pos, out))
+    src, pos, out, seqs = pack_layout(*lengths, P, C, G, prompt_ids.device)  # (no read-back)
     ids = torch.cat([prompt_ids.flatten(), completion_ids.flatten()])[src]  # (T,)
     h = packed_trunk(model, ids[None], pos[None], seqs)  # (1, T, H)
     return h[0, out]  # (N, H)

@@ -545,20 +545,18 @@ def test_kv_packed_layout_by_hand():
     restarting at 3; its sequences are the prompt over itself, then each completion over the prompt ++ itself"""
     import kv_reuse
     P, C, G = 4, 7, 3
-    src, pos, doc, seg, out = kv_reuse.pack_layout([4], [3, 7, 2], P, C, G)
+    src, pos, out, m = kv_reuse.pack_layout([4], [3, 7, 2], P, C, G, "cpu")
     first = lambda r: P + r * C  # completion r's first token in cat(prompt_ids.flatten(), completion_ids.flatten())
     want_src = [0, 1, 2] + [3, first(0), first(0) + 1] + [3] + list(range(first(1), first(1) + 6)) + [3, first(2)]
     assert src.tolist() == want_src, src.tolist()
     assert pos.tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8, 9, 3, 4], pos.tolist()
-    assert seg.tolist() == [-1] * 3 + [0] * 3 + [1] * 7 + [2] * 2 and doc.tolist() == [0] * 15
     assert out.tolist() == list(range(3, 15)), out.tolist()  # the states that predict the 12 completion tokens
-    m = kv_reuse.packed_sequences(doc, seg, "cpu")
     assert m.bounds == [(0, 3, 0, 3), (3, 6, 3, 9), (6, 13, 9, 19), (13, 15, 19, 24)], m.bounds
     assert m.kv_src.tolist() == [0, 1, 2] + [0, 1, 2, 3, 4, 5] + [0, 1, 2] + list(range(6, 13)) + [0, 1, 2, 13, 14]
     assert m.cu_q.tolist() == [0, 3, 6, 13, 15] and m.cu_k.tolist() == [0, 3, 9, 19, 24]
     assert (m.max_q, m.max_k) == (7, 10)
     q, k, v = (torch.randn(15, 4, 8) for _ in range(3))  # the torch path against a dense mask by hand
-    t = torch.arange(15)
+    t, seg = torch.arange(15), torch.tensor([-1] * 3 + [0] * 3 + [1] * 7 + [2] * 2)  # -1: the prompt
     allowed = (t[None] <= t[:, None]) & ((seg[None] == -1) | (seg[None] == seg[:, None]))
     want = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                             attn_mask=allowed).transpose(0, 1)
