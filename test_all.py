@@ -3227,9 +3227,9 @@ def test_bench_e2e_streams_spread_the_one_gpu_cells():
     threads start; the torchrun cells after them with both GPUs (the 4-GPU cells skipped, not run); the table in the
     cells' order of streams. Under a parent that set CUDA_VISIBLE_DEVICES=5,7 the streams take GPUs 5 and 7"""
     import tempfile
+    from unittest import mock
     import bench_e2e
     saved = bench_e2e.run_cell, bench_e2e.make_model_dir, torch.cuda.device_count, torch.cuda.get_device_name
-    old_env = os.environ.get("CUDA_VISIBLE_DEVICES")
     for visible, names in ((None, ["0", "1"]), ("5,7", ["5", "7"])):
         calls, built = [], []
         bench_e2e.run_cell = lambda name, model, flags, nproc, env=None: calls.append((name, nproc, env)) or dict(
@@ -3237,18 +3237,15 @@ def test_bench_e2e_streams_spread_the_one_gpu_cells():
         bench_e2e.make_model_dir = lambda family, path, layers=None: built.append(path) or path
         torch.cuda.device_count, torch.cuda.get_device_name = (lambda: 2), (lambda *a: "test GPU")
         old_dir, bench_e2e.BENCH_DIR = bench_e2e.BENCH_DIR, tempfile.mkdtemp(prefix="nanogrpo_streams_")
-        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        if visible:
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible
         try:
-            with contextlib.redirect_stdout(io.StringIO()):  # its table is not the suite's output
+            with mock.patch.dict(os.environ), contextlib.redirect_stdout(io.StringIO()):  # (the table: not ours)
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # (patch.dict puts the environment back)
+                if visible:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = visible
                 assert bench_e2e.main(["qwen2.5-1.5b", "--streams=3"])
         finally:
             bench_e2e.run_cell, bench_e2e.make_model_dir, torch.cuda.device_count, torch.cuda.get_device_name = saved
             bench_e2e.BENCH_DIR = old_dir
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            if old_env is not None:
-                os.environ["CUDA_VISIBLE_DEVICES"] = old_env
         want = [k for k in bench_e2e.CELLS if "qwen2.5-1.5b" in k and bench_e2e.CELLS[k][2] <= 2]
         assert len(want) < len([k for k in bench_e2e.CELLS if "qwen2.5-1.5b" in k])  # (4-GPU cells exist, and skip)
         one = [k for k in want if bench_e2e.CELLS[k][2] == 1]
