@@ -2546,6 +2546,8 @@ def test_grpo_config_errors_and_types():
     cfg = config.parse_config(["--lr=3e-6", "--max_steps=7", "--resume=True", "--task=countdown", "--beta=0"])
     assert (cfg.lr, cfg.max_steps, cfg.resume, cfg.task, cfg.beta) == (3e-6, 7, True, "countdown", 0.0)
     assert type(cfg.max_steps) is int and type(cfg.beta) is float
+    is_off = (cfg.vllm_importance_sampling_correction, cfg.vllm_importance_sampling_mode)  # (TRL: on, with vLLM)
+    assert is_off == (False, "sequence_mask"), is_off
     assert_raises(ValueError, lambda: config.resolve(config.parse_config(["--loss_type=ppo"])), "loss_type")
 
 
