@@ -295,12 +295,22 @@ def load_model(path, dev):
     return model.to(dev)
 
 
+def empty_model(path):
+    """The model at path on the meta device: its modules, config and generation config (its EOS
+    ids end the completions), no memory, no weights read. (Under FSDP2 every rank but 0 starts so;
+    dist.shard_model fills its shards from rank 0's.)"""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    with torch.device("meta"):
+        model = loaded("model", path, lambda: AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(path), dtype=torch.float32))
+    if os.path.exists(os.path.join(path, "generation_config.json")):  # as from_pretrained reads it
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model.eval()  # (as from_pretrained returns it)
+
+
 def parameter_count(path):
     """The parameter count (a tied embedding once), from the config on the meta device: no reads."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in empty_model(path).parameters())
 
 
 # resume -------------------------------------------------------------------------------------------

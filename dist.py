@@ -54,10 +54,15 @@ def shard_model(model, dt, dev, root_methods=()):
     A unit stays gathered until the mini-batch's backward ends (batching.backward reshards): one
     gather per mini-batch, not one per micro-batch and again in its backward. root_methods
     {name: fn(model, *args)}: each becomes a forward method of the root, so it runs on gathered
-    weights (the fused loss reads the LM head's weight itself)."""
+    weights (the fused loss reads the LM head's weight itself).
+    The weights are rank 0's: the other ranks' model may be on the meta device (never loaded), and
+    each rank's shards are cut from rank 0's tensors, broadcast one at a time. So one host process
+    holds the whole model, not N (a 32B model's float32 weights: 131 GB each)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (MixedPrecisionPolicy, fully_shard,
                                         register_fsdp_forward_method)
+    full = model.state_dict() if rank() == 0 else {}  # (before fully_shard makes them shards)
     mesh = init_device_mesh(dev.type, (world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=None if dt == torch.float32 else dt,
                               reduce_dtype=torch.float32)
@@ -68,6 +73,12 @@ def shard_model(model, dt, dev, root_methods=()):
     for m in fsdp_modules(model):
         m.set_gradient_divide_factor(1.0)  # a sum over the ranks, not FSDP's default mean,
         m.set_force_sum_reduction_for_comms(True)  # as a plain SUM (gloo has no PREMUL_SUM)
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=dev)  # this rank's shards and buffers, allocated, not yet set
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                               broadcast_from_rank0=True))
+    for b in model.buffers():  # (buffers outside the state dict too: RoPE's inv_freq)
+        torch.distributed.broadcast(b, 0)
     for name, fn in dict(root_methods).items():
         setattr(model, name, root_method(model, fn))
         register_fsdp_forward_method(model, name)

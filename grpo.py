@@ -195,9 +195,14 @@ def load_models(cfg, base, ckpt, dev, dt):
     the reference model for beta > 0 (None otherwise) -> (policy, ref_model)"""
     from batching import logprobs_forward
     from kv_reuse import checkpointing_enable, reuse_unsupported
-    sharded = world_size() > 1 and cfg.fsdp  # FSDP2 loads on the CPU and shards onto dev
-    policy = checkpoint.load_model(base if cfg.lora_r else ckpt or base,
-                                   torch.device("cpu") if sharded else dev)
+    path = base if cfg.lora_r else ckpt or base
+    sharded = world_size() > 1 and cfg.fsdp
+    if sharded:  # FSDP2: rank 0 reads the weights to its CPU, every other rank builds the model on
+        # the meta device (no memory); shard_model then sends each rank its shards of rank 0's
+        cpu = torch.device("cpu")
+        policy = checkpoint.load_model(path, cpu) if rank() == 0 else checkpoint.empty_model(path)
+    else:
+        policy = checkpoint.load_model(path, dev)
     if cfg.lora_r:
         lora.add_lora(policy, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
                       lora.targets(cfg.lora_target_modules))

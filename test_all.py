@@ -1448,6 +1448,7 @@ def _dist_worker(rank, world, port, tmp, model_dir):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
     import batching
+    import checkpoint
     import dist as nanodist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -1455,7 +1456,10 @@ def _dist_worker(rank, world, port, tmp, model_dir):
     try:
         for name, engine in (("dapo", "fsdp"), ("grpo", "fsdp"), ("dapo", "replica"), ("entropy_batch", "fsdp"),
                              ("dapo_parts", "fsdp"), ("grpo", "fsdp_gc")):
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            if engine.startswith("fsdp") and rank > 0:  # as grpo.load_models: shard_model sends rank 0's
+                model = checkpoint.empty_model(model_dir)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             assert model.config.tie_word_embeddings
             if engine == "fsdp_gc":  # each layer checkpointed by the packed forward, FSDP2's hooks inside
                 kv_checkpointing_enable(model)
@@ -2167,6 +2171,31 @@ def test_grpo_state_that_cannot_fit_is_refused_naming_lora():
     err = memory_errors(cfg("--max_completion_len=30000", "--rollout_kv_gib=0.5"), 1.5e9, 1, 80 * gib, kv15)
     assert len(err) == 1 and all(w in err[0] for w in ("--rollout_kv_gib=0.5", "0.81 GiB")), err  # (30512 tokens)
     assert memory_errors(cfg("--max_completion_len=30000", "--rollout_kv_gib=1"), 1.5e9, 1, 80 * gib, kv15) == []
+
+
+@check
+def test_checkpoint_empty_model_is_the_loaded_model_without_weights():
+    """checkpoint.empty_model (FSDP2's ranks but 0 start from it) against load_model on a directory whose
+    generation_config lists EOS ids beyond the config's: the same parameter names and shapes, all on the meta device,
+    the tied embedding one parameter, the same attention and mode, and the same stop ids (a rank that stopped at fewer
+    ids would sample other completions than rank 0's model)"""
+    import json
+    import shutil
+    import tempfile
+    import checkpoint
+    import grpo
+    path = os.path.join(tempfile.mkdtemp(prefix="nanogrpo_empty_"), "m")
+    shutil.copytree(_tiny_model_dir(), path)
+    _write(os.path.join(path, "generation_config.json"), json.dumps({"eos_token_id": [2, 7, 9]}))
+    full, empty = checkpoint.load_model(path, torch.device("cpu")), checkpoint.empty_model(path)
+    assert [(n, p.shape) for n, p in empty.named_parameters()] == [(n, p.shape) for n, p in full.named_parameters()]
+    assert all(p.is_meta for p in empty.parameters()) and not any(p.is_meta for p in full.parameters())
+    assert empty.lm_head.weight is empty.model.embed_tokens.weight and full.config.tie_word_embeddings
+    assert empty.config._attn_implementation == full.config._attn_implementation, empty.config._attn_implementation
+    assert not empty.training and not full.training  # (from_pretrained returns it in eval mode)
+    tok = checkpoint.load_tokenizer(path)
+    assert grpo.stop_token_ids(empty, tok) == grpo.stop_token_ids(full, tok) == [2, 7, 9], (
+        grpo.stop_token_ids(empty, tok), grpo.stop_token_ids(full, tok))
 
 
 @check
