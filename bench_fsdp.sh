@@ -55,11 +55,14 @@ case "$what" in
     D=/tmp/nanogrpo_q$what
     $PY bench_e2e.py --model qwen2.5-$what "$D"  # built on GPU 0 in bf16, saved once (7b: ~15 GB); character tokenizer
     OUT=/tmp/nanogrpo_out$what
+    # 7b/14b: 16384-token micro-batches; 32b (8 GPUs): auto (0), what fits beside the 122 GiB a rank that its state
+    # and gathered bf16 weights take (~9k tokens on an H200)
+    MBT=16384; [ "$what" = 32b ] && MBT=0
     smi_start /tmp/nanogrpo_smi$what.csv
     t0=$(date +%s)
     $TORCHRUN --nproc_per_node="$NPROC" bench_e2e.py --run-cell --fsdp=True --model="$D" --prompts_per_step=16 \
         --group_size=8 --max_completion_len=512 --temperature=1.0 --reward=task,bench_e2e.py:digit_share \
-        --gradient_checkpointing=True --micro_batch_tokens=16384 \
+        --gradient_checkpointing=True --micro_batch_tokens=$MBT \
         --eval_every=0 --eval_size=4 --max_steps=4 --max_minutes=0 --lr=1e-6 --out_dir="$OUT" --overwrite=True "$@"
     echo "wall $(( $(date +%s) - t0 )) s (incl. loading)"
     smi_stop /tmp/nanogrpo_smi$what.csv
