@@ -89,6 +89,7 @@ def pack_layout(p_len, c_len, P, C, G, device):
     return to_dev(src), to_dev(pos), to_dev(out), seqs
 
 
+@torch.compiler.disable  # a host loop over the sequences: compiled, every layout would recompile
 def varlen_torch(q, k, v, m, scale, gqa):
     """The attention of pack_layout's sequences as SDPA, one at a time: the reference, and the
     path on the CPU and in float32 (flash has neither). (T, h, D) queries -> (T, h, D)"""
@@ -294,15 +295,19 @@ def compiled(fn):
 
 
 @contextlib.contextmanager
-def compiled_pieces(model):
-    """The training pass's small ops fused by torch.compile: every RMSNorm, MLP and RoPE. Pieces,
-    not whole layers: a checkpoint's recompute of a whole compiled layer may pick another compiled
-    variant than its forward did (a CheckpointError); a pure piece replays its graph. Set on the
-    instances (RoPE: its module) for the update only."""
+def compiled_pieces(model, packed=True):
+    """The training pass compiled by torch.compile, set on the instances (RoPE: its module) for the
+    update only. packed: every decoder layer whole (projections, RoPE, the packed attention as one
+    op, the MLP, the residual adds) and the final RMSNorm; a checkpoint's recompute replays its
+    forward's graph, as a packed row has no cache or mask to pick another variant. The padded path
+    (packed=False): the pieces only, every RMSNorm, MLP and RoPE; its layers take HF's padding
+    mask, and compiled whole around it they run slower than eager on a GPU."""
     if reuse_unsupported(model):  # a model we have not checked: its update stays eager
         yield
         return
     mods = [m for m in model.model.modules() if type(m).__name__.endswith(("RMSNorm", "MLP"))]
+    if packed:  # (the layers by their list: FSDP2's fully_shard renames their classes)
+        mods += list(model.model.layers)
     # the attention's module by its class's name (FSDP2's fully_shard subclasses the layers)
     module = sys.modules[type(model.model.layers[0].self_attn).__module__]
     rope = getattr(module, "apply_rotary_pos_emb", None)

@@ -648,48 +648,60 @@ def test_kv_autocast_fp32_weights_matches_bf16():
 
 
 def _kv_compiled_vs_eager(model, name):
-    """compiled_pieces' gradients against eager ones (GC on) over two batch shapes: the second recompiles, then a
-    checkpoint's recompute must replay its forward's graph (else a CheckpointError). aot_eager on the CPU (no
-    C++ compiler needed), inductor on a GPU. On exit every forward and RoPE is the model's own again."""
+    """compiled_pieces' gradients against eager ones (GC on) over three batch shapes, packed (each decoder layer
+    compiled whole) and padded (the pieces only: RMSNorm, MLP, RoPE): a new shape recompiles, then a checkpoint's
+    recompute must replay its forward's graph (else a CheckpointError). aot_eager on the CPU (no C++ compiler
+    needed), inductor on a GPU. On exit every forward and RoPE is the model's own again."""
     import functools
     import sys
     import kv_reuse
+    from torch._dynamo.utils import counters
     calls, compiled = [], kv_reuse.compiled
+    graphs = counters["stats"]["unique_graphs"]
 
     @functools.cache
-    def counted(fn):  # every call of a compiled piece counted
-        c = torch.compile(fn, backend="aot_eager", dynamic=True) if DEVICE == "cpu" else compiled(fn)
-        return functools.wraps(fn)(lambda *a, **k: calls.append(fn) or c(*a, **k))
+    def counted(fn):  # the pieces compiled (counted here, not per call: a call inside a compiled layer is traced)
+        calls.append(fn)
+        return torch.compile(fn, backend="aot_eager", dynamic=True) if DEVICE == "cpu" else compiled(fn)
     kv_reuse.compiled = counted
     kv_checkpointing_enable(model)
     model.train()
     module = sys.modules[type(model.model.layers[0].self_attn).__module__]
     rope, G = module.apply_rotary_pos_emb, 3
+
+    def whole_layers():  # the decoder layers whose forward is compiled whole
+        return sum("forward" in vars(m) for m in model.model.layers)
     try:
         for lens, seed in (((7, 1, 4), 3), ((7, 7, 7), 4), ((5, 5, 2), 5)):
             batch = _kv_batch(G=G, prompt_lens=lens, seed=seed)
-            torch.manual_seed(seed)  # (dropout: the same draws both ways)
-            logp, want = _kv_loss_and_grads(model, batch, G, True)
-            torch.manual_seed(seed)
-            with kv_reuse.compiled_pieces(model):
-                got = _kv_loss_and_grads(model, batch, G, True)
-            assert_close(got[0], logp, 1e-5, f"{name} {lens} log-probs")
-            assert want and got[1].keys() == want.keys(), f"{name}: other parameters got gradients"
-            for n, g in want.items():
-                assert_close(got[1][n], g, 1e-5, f"{name} {lens} grad {n}")
+            for packed in (True, False):
+                torch.manual_seed(seed)  # (dropout: the same draws both ways)
+                logp, want = _kv_loss_and_grads(model, batch, G, packed)
+                torch.manual_seed(seed)
+                with kv_reuse.compiled_pieces(model, packed):
+                    got = _kv_loss_and_grads(model, batch, G, packed)
+                    whole = whole_layers()
+                what = f"{name} {lens} packed={packed}"
+                assert whole == (len(model.model.layers) if packed else 0), f"{what}: {whole} layers compiled whole"
+                assert_close(got[0], logp, 1e-5, f"{what} log-probs")
+                assert want and got[1].keys() == want.keys(), f"{what}: other parameters got gradients"
+                for n, g in want.items():
+                    assert_close(got[1][n], g, 1e-5, f"{what} grad {n}")
     finally:
         kv_reuse.compiled = compiled
-    assert len(set(calls)) >= 3, f"{name}: compiled pieces called: {sorted({f.__qualname__ for f in calls})}"
-    assert module.apply_rotary_pos_emb is rope and not any("forward" in vars(m) for m in model.model.modules()
-                                                           if type(m).__name__.endswith(("RMSNorm", "MLP")))
+    assert len(set(calls)) >= 3, f"{name}: compiled pieces: {sorted({f.__qualname__ for f in calls})}"
+    assert counters["stats"]["unique_graphs"] > graphs, f"{name}: nothing was compiled"
+    pieces = [m for m in model.model.modules() if type(m).__name__.endswith(("RMSNorm", "MLP"))]
+    assert module.apply_rotary_pos_emb is rope and not any("forward" in vars(m) for m in pieces) and not whole_layers()
 
 
 @check
 @_kv_one_thread
 def test_kv_compiled_pieces_equal_eager():
-    """the update's RMSNorms, MLPs and RoPE compiled (kv_reuse.compiled_pieces, cfg.compile on a GPU) give the eager
-    gradients: llama, and qwen3 with its per-head q/k norms; and with each layer's class swapped for a subclass from
-    another module, as FSDP2's fully_shard does (RoPE is looked up in the attention's module)"""
+    """the update compiled (kv_reuse.compiled_pieces, cfg.compile on a GPU: packed, each decoder layer whole; padded,
+    its RMSNorms, MLPs and RoPE) gives the eager gradients: llama, and qwen3 with its per-head q/k norms; and with
+    each layer's class swapped for a subclass from another module and renamed, as FSDP2's fully_shard does (RoPE is
+    looked up in the attention's module)"""
     for arch in ("llama", "qwen3"):
         _kv_compiled_vs_eager(_kv_model(arch), arch)
     model = _kv_model("llama")
