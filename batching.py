@@ -247,7 +247,12 @@ def fill_logprobs(model, buf, key, mbs, cfg, entropy=False):
     ids = buf["completion_ids"]
     out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
     ents = torch.zeros_like(out) if entropy else None
-    for r0, mb in [p for b0, b1 in mbs for p in micro_batch_parts(buf, b0, b1, cfg)]:
+    parts = [p for b0, b1 in mbs for p in micro_batch_parts(buf, b0, b1, cfg)]
+    if fsdp_modules(model):  # FSDP2: a forward may all-gather, so every rank runs as many as the
+        # busiest; the extra passes run the first part again and write the same values
+        n = int(global_sum(torch.tensor(len(parts), device=ids.device), "max"))
+        parts += [parts[0]] * (n - len(parts))
+    for r0, mb in parts:
         keep = mb["completion_mask"].bool()  # (rows, C_mb)
         logp, ent = completion_logprobs(model, mb, keep, cfg.temperature, cfg.logprob_impl,
                                         cfg.kv_reuse, entropy)

@@ -307,11 +307,13 @@ def default_plan(cfg, world):
 def state_bytes(cfg, n_params, shards):
     """training state on one GPU. Full fine-tuning: 16 bytes a parameter (float32 weights or
     masters, gradients, AdamW's two moments) split over `shards` ranks by FSDP2, + the dtype weights
-    (bf16, or FSDP2's gathered copy), + a reference model if beta > 0. LoRA: the base in dtype."""
+    (bf16, or FSDP2's gathered copy), + a reference model in dtype if beta > 0 (FSDP2: sharded
+    too). LoRA: the base in dtype."""
     dt = 2 if cfg.dtype == "bfloat16" else 4
     if cfg.lora_r:  # (its reference model is the base with the adapters off)
         return n_params * dt
-    return n_params * (16 / shards + (dt if shards > 1 or dt == 2 else 0) + dt * (cfg.beta > 0))
+    ref = dt * (cfg.beta > 0) / shards
+    return n_params * (16 / shards + (dt if shards > 1 or dt == 2 else 0) + ref)
 
 
 def activation_bytes(cfg, mc):

@@ -46,13 +46,15 @@ def world_size():
     return torch.distributed.get_world_size() if distributed() else 1
 
 
-def shard_model(model, dt, dev, root_methods=()):
+def shard_model(model, dt, dev, root_methods=(), frozen=False):
     """FSDP2: each decoder layer a unit, then the root (embeddings, final norm, LM head; a tied
     weight stays one parameter). The float32 weights, gradients and AdamW moments are sharded over
     the ranks; forward and backward run in dt on gathered weights; gradients are reduce-scattered in
     float32 as a plain SUM (the loss weights already hold the global normalizers).
     A unit stays gathered until the mini-batch's backward ends (batching.backward reshards): one
-    gather per mini-batch, not one per micro-batch and again in its backward. root_methods
+    gather per mini-batch, not one per micro-batch and again in its backward. frozen (the reference
+    model: no backward, its weights already in dt): each unit gathered for its forward alone, so a
+    rank holds its shards and one unit at a time. root_methods
     {name: fn(model, *args)}: each becomes a forward method of the root, so it runs on gathered
     weights (the fused loss reads the LM head's weight itself).
     The weights are rank 0's: the other ranks' model may be on the meta device (never loaded), and
@@ -67,9 +69,10 @@ def shard_model(model, dt, dev, root_methods=()):
     mp = MixedPrecisionPolicy(param_dtype=None if dt == torch.float32 else dt,
                               reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    model.set_reshard_after_backward(False)  # (recursive) resharded after the mini-batch instead
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=frozen)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=frozen)
+    if not frozen:  # (recursive) resharded after the mini-batch instead
+        model.set_reshard_after_backward(False)
     for m in fsdp_modules(model):
         m.set_gradient_divide_factor(1.0)  # a sum over the ranks, not FSDP's default mean,
         m.set_force_sum_reduction_for_comms(True)  # as a plain SUM (gloo has no PREMUL_SUM)

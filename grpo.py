@@ -195,14 +195,8 @@ def load_models(cfg, base, ckpt, dev, dt):
     the reference model for beta > 0 (None otherwise) -> (policy, ref_model)"""
     from batching import logprobs_forward
     from kv_reuse import checkpointing_enable, reuse_unsupported
-    path = base if cfg.lora_r else ckpt or base
     sharded = world_size() > 1 and cfg.fsdp
-    if sharded:  # FSDP2: rank 0 reads the weights to its CPU, every other rank builds the model on
-        # the meta device (no memory); shard_model then sends each rank its shards of rank 0's
-        cpu = torch.device("cpu")
-        policy = checkpoint.load_model(path, cpu) if rank() == 0 else checkpoint.empty_model(path)
-    else:
-        policy = checkpoint.load_model(path, dev)
+    policy = read_model(base if cfg.lora_r else ckpt or base, sharded, dev)
     if cfg.lora_r:
         lora.add_lora(policy, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
                       lora.targets(cfg.lora_target_modules))
@@ -218,11 +212,23 @@ def load_models(cfg, base, ckpt, dev, dt):
     ref_model = None
     if cfg.beta > 0 and cfg.lora_r:
         ref_model = policy  # the base is the policy with its adapters off (lora.disabled)
-    elif cfg.beta > 0:
-        # the k3 KL anchor: the initial weights, frozen (a dt replica on every rank under FSDP2 too)
-        ref_model = checkpoint.load_model(base, dev)
+    elif cfg.beta > 0:  # the k3 KL anchor: the initial weights in dt, frozen (FSDP2: sharded too)
+        ref_model = read_model(base, sharded, dev)
         ref_model = cast_parameters(ref_model, dt).eval().requires_grad_(False)
+        if sharded:
+            shard_model(ref_model, dt, dev, {"logprobs_forward": logprobs_forward}, frozen=True)
     return policy, ref_model
+
+
+def read_model(path, sharded, dev):
+    """the float32 model at path on dev; FSDP2 (sharded): rank 0 reads it to its CPU and every
+    other rank builds it on the meta device (no memory), as shard_model then sends each rank its
+    shards of rank 0's weights: one host process holds the whole model, not one per rank"""
+    if not sharded:
+        return checkpoint.load_model(path, dev)
+    if rank() == 0:
+        return checkpoint.load_model(path, torch.device("cpu"))
+    return checkpoint.empty_model(path)
 
 
 # -----------------------------------------------------------------------------

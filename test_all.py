@@ -1346,19 +1346,21 @@ def _dist_buffer():
     return buf, torch.rand(B * G)
 
 
-def _dist_grads_and_step(model, buf, rewards, cfg, out):
-    """prepare_buffer, the mini-batch's gradient (one process: its own; FSDP2: the sum over the ranks, as each rank's
-    full tensor), then one update_step (AdamW) from the same start; gradients, weights (full) and stats saved to out"""
+def _dist_grads_and_step(model, buf, rewards, cfg, out, ref=None):
+    """prepare_buffer (with ref: its log-probs), the mini-batch's gradient (one process: its own; FSDP2: the sum over
+    the ranks, as each rank's full tensor), then one update_step (AdamW) from the same start; gradients, weights
+    (full), stats and the reference log-probs saved to out"""
     import batching
     import grpo
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 - a DTensor's whole tensor
-    steps, _ = batching.prepare_buffer(model, None, buf, rewards, cfg)
+    steps, _ = batching.prepare_buffer(model, ref, buf, rewards, cfg)
     batching.backward(model, buf, steps[0], cfg)
     grads = [full(p.grad).clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     optimizer, _ = grpo.make_optimizer(model, cfg, torch.float32)
     stats = batching.update_step(model, optimizer, buf, steps[0], cfg)
-    torch.save(dict(grads=grads, weights=[full(p.detach()).clone() for p in model.parameters()], stats=stats), out)
+    torch.save(dict(grads=grads, weights=[full(p.detach()).clone() for p in model.parameters()], stats=stats,
+                    ref_logp=buf.get("ref_logp")), out)
 
 
 
@@ -1448,13 +1450,15 @@ def test_batching_bf16_update_step_close_to_float32():
 def _dist_cfg(name):
     """dapo, grpo: the loss normalizers; entropy_batch: the two statistics over the whole batch (the entropy mask's
     quantile threshold, the rewards' std), gathered over the ranks; dapo_parts: a budget under rank 1's groups (each
-    runs in 3 parts of a row, rank 0 in 2 micro-batches: FSDP2's padding backward passes cover the difference)"""
+    runs in 3 parts of a row, rank 0 in 2 micro-batches: FSDP2's padding backward passes cover the difference);
+    kl: dapo with a k3 KL to a reference model (beta > 0), both loaded by grpo.load_models"""
     kw = dict(loss_type="dapo", top_entropy_quantile=0.5, scale_rewards="batch") if name == "entropy_batch" else {}
     kw = dict(loss_type="dapo", micro_batch_tokens=12) if name == "dapo_parts" else kw
+    kw = dict(loss_type="dapo", beta=0.1, fsdp=True) if name == "kl" else kw
     return _trainer_cfg(**{"loss_type": name, "micro_batch_tokens": 30, **kw})
 
 
-def _dist_worker(rank, world, port, tmp, model_dir):
+def _dist_worker(rank, world, port, tmp, model_dir, ref_dir):
     """one rank of test_batching_ranks_sum_to_one_process (torch.multiprocessing.spawn, gloo)"""
     import datetime
     import torch.distributed as dist
@@ -1462,13 +1466,18 @@ def _dist_worker(rank, world, port, tmp, model_dir):
     import batching
     import checkpoint
     import dist as nanodist
+    import grpo
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
         for name, engine in (("dapo", "fsdp"), ("grpo", "fsdp"), ("dapo", "replica"), ("entropy_batch", "fsdp"),
-                             ("dapo_parts", "fsdp"), ("grpo", "fsdp_gc")):
-            if engine.startswith("fsdp") and rank > 0:  # as grpo.load_models: shard_model sends rank 0's
+                             ("dapo_parts", "fsdp"), ("grpo", "fsdp_gc"), ("kl", "fsdp")):
+            ref = None
+            if name == "kl":  # the policy from a checkpoint, the reference from --model: both sharded
+                model, ref = grpo.load_models(_dist_cfg(name), ref_dir, model_dir, torch.device("cpu"), torch.float32)
+                assert nanodist.fsdp_modules(ref) and not any(p.requires_grad for p in ref.parameters())
+            elif engine.startswith("fsdp") and rank > 0:  # as grpo.load_models: shard_model sends rank 0's
                 model = checkpoint.empty_model(model_dir)
             else:
                 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -1476,7 +1485,7 @@ def _dist_worker(rank, world, port, tmp, model_dir):
             if engine == "fsdp_gc":  # each layer checkpointed by the packed forward, FSDP2's hooks inside
                 kv_checkpointing_enable(model)
                 model.train()
-            if engine.startswith("fsdp"):
+            if engine.startswith("fsdp") and name != "kl":
                 nanodist.shard_model(model, torch.float32, torch.device("cpu"),  # as grpo.load_models
                                      {"logprobs_forward": batching.logprobs_forward})
             buf, rewards = _dist_buffer()
@@ -1485,7 +1494,10 @@ def _dist_worker(rank, world, port, tmp, model_dir):
             local = batching.select_groups(buf, mine)
             G = buf["group_size"]
             _dist_grads_and_step(model, local, rewards.view(-1, G)[mine].reshape(-1), _dist_cfg(name),
-                                 f"{tmp}/{name}_{engine}_rank{rank}.pt")
+                                 f"{tmp}/{name}_{engine}_rank{rank}.pt", ref)
+            if ref is not None:  # each unit gathered for its forward alone: all shards again after the passes
+                from torch.distributed.tensor import DTensor
+                assert all(isinstance(p, DTensor) for p in ref.parameters()), "a reference unit stayed gathered"
     finally:
         dist.destroy_process_group()
     # every result is on disk; leave without the interpreter's teardown: gloo's worker threads can still be joinable
@@ -1508,31 +1520,46 @@ def test_batching_ranks_sum_to_one_process():
     (--fsdp=False, dapo): the ranks' own gradients sum to it, and the all-reduced step gives the same weights. And
     top_entropy_quantile with scale_rewards=batch (FSDP2): the entropy threshold and the reward std are the whole
     batch's, so the sum is still the one-process gradient. And FSDP2 with gradient checkpointing (grpo): the packed
-    forward's own checkpoint recomputes each sharded layer, its hooks inside, to the same gradient."""
+    forward's own checkpoint recomputes each sharded layer, its hooks inside, to the same gradient. And beta > 0
+    under FSDP2 (kl, through grpo.load_models: the policy from a checkpoint, the reference, another model, from
+    --model): the reference is sharded too, and each rank's reference log-probs are the one-process ones of its
+    groups, though the ranks run different numbers of its passes."""
     import socket
     import tempfile
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
     import batching
     import dist
+    import grpo
     assert not dist.distributed()
     buf, _ = _dist_buffer()
     shares = [batching.select_groups(buf, g) for g in ([0, 1], [2, 3])]
     assert [len(batching.micro_batches(s["prompt_mask"], s["completion_mask"], 3, 30)) for s in shares] == [1, 2]
+    ref_dir = tempfile.mkdtemp(prefix="nanogrpo_ref_")  # the reference: the tiny model, its weights moved
+    ref = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ref.save_pretrained(ref_dir)
     tmp = {}
     for world in (2, 4):  # (nothing in the torchrun path may assume 2 ranks)
         tmp[world] = tempfile.mkdtemp(prefix=f"nanogrpo_dist{world}_")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(_dist_worker, args=(world, port, tmp[world], _tiny_model_dir()), nprocs=world)
+        mp.spawn(_dist_worker, args=(world, port, tmp[world], _tiny_model_dir(), ref_dir), nprocs=world)
     for loss_type, engines in (("dapo", ("fsdp", "replica")), ("grpo", ("fsdp", "fsdp_gc")),
-                               ("entropy_batch", ("fsdp",)), ("dapo_parts", ("fsdp",))):
+                               ("entropy_batch", ("fsdp",)), ("dapo_parts", ("fsdp",)), ("kl", ("fsdp",))):
         model = AutoModelForCausalLM.from_pretrained(_tiny_model_dir(), dtype=torch.float32)
         buf, rewards = _dist_buffer()
         cfg = _dist_cfg(loss_type)
         assert cfg.kv_reuse
-        _dist_grads_and_step(model, buf, rewards, cfg, f"{tmp[2]}/{loss_type}_one.pt")
+        ref = None
+        if loss_type == "kl":  # one process: the reference whole
+            model, ref = grpo.load_models(cfg, ref_dir, _tiny_model_dir(), torch.device("cpu"), torch.float32)
+            assert not dist.fsdp_modules(ref)
+        _dist_grads_and_step(model, buf, rewards, cfg, f"{tmp[2]}/{loss_type}_one.pt", ref)
         if loss_type == "entropy_batch":  # a rank-local threshold or std would differ: the test would see it
             local_adv = batching.group_advantages(rewards[:6], 3, "batch")[0]
             assert (local_adv - buf["advantages"][:6]).abs().max() > 1e-3
@@ -1550,6 +1577,13 @@ def test_batching_ranks_sum_to_one_process():
                 for k in ("loss", "grad_norm", "entropy", "clip_ratio"):
                     assert abs(r["stats"][k] - one["stats"][k]) <= 1e-5 * max(1.0, abs(one["stats"][k])), (
                         name, k, r["stats"][k], one["stats"][k])
+            if loss_type == "kl":  # each rank's rows of the one-process reference log-probs
+                rows = one["ref_logp"].view(4, 3, -1)  # (groups, G, C)
+                for n, r in enumerate(ranks):
+                    per = 4 // world
+                    assert_close(r["ref_logp"], rows[n * per:(n + 1) * per].flatten(0, 1), 1e-5, f"{name} ref {n}")
+                assert one["stats"]["kl"] > 1e-3, "the reference is the policy: the test would not see a mix-up"
+                assert abs(r["stats"]["kl"] - one["stats"]["kl"]) <= 1e-5 * one["stats"]["kl"], (name, r["stats"])
 
 
 def _policy_cfg(**kw):
@@ -2164,6 +2198,7 @@ def test_grpo_state_that_cannot_fit_is_refused_naming_lora():
     assert memory_errors(cfg(), n, 4, 80 * gib) == []  # 16 / 4 + 2 bytes a parameter: 43 GiB
     assert memory_errors(cfg(), n, 1, 139 * gib) == []
     assert "reference" in " ".join(memory_errors(cfg("--beta=0.04"), n, 1, 139 * gib))  # + 14 GiB
+    assert config.state_bytes(cfg("--beta=0.04"), n, 4) == n * (16 / 4 + 2 + 2 / 4)  # FSDP2 shards the reference
     assert "smaller model" in " ".join(memory_errors(cfg("--lora_r=16"), n, 1, 10 * gib))
     path = _tiny_model_dir()
     model = AutoModelForCausalLM.from_pretrained(path)
