@@ -248,8 +248,10 @@ def fill_logprobs(model, buf, key, mbs, cfg, entropy=False):
     out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
     ents = torch.zeros_like(out) if entropy else None
     parts = [p for b0, b1 in mbs for p in micro_batch_parts(buf, b0, b1, cfg)]
-    if fsdp_modules(model):  # FSDP2: a forward may all-gather, so every rank runs as many as the
-        # busiest; the extra passes run the first part again and write the same values
+    if fsdp_modules(model) and not any(p.requires_grad for p in model.parameters()):
+        # a frozen FSDP2 model (the reference) all-gathers each unit in every forward, so every rank
+        # runs as many as the busiest; the extra passes run the first part again and write the same
+        # values (the policy's units stay gathered after its first forward: no padding needed)
         n = int(global_sum(torch.tensor(len(parts), device=ids.device), "max"))
         parts += [parts[0]] * (n - len(parts))
     for r0, mb in parts:
