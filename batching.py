@@ -5,6 +5,7 @@ sampled once; the num_iterations * steps_per_generation optimizer steps that fol
     prepare_buffer   advantages; K mini-batches of whole groups, in micro-batches under a token
                      budget (a lone group over it in parts); loss weights; old / ref log-probs
     update_step      per pass sum(per_token_loss * weight) -> backward -> clip -> optimizer.step
+The loss itself (advantages, each loss_type's per-token loss and weights) is losses.py's.
 Left out: TRL shuffles single completions into mini-batches, here whole groups move (kv_reuse runs
 a group's prompt once); TRL's entropy threshold is per micro-batch, here per mini-batch.
 """
@@ -14,9 +15,11 @@ import math
 import torch
 
 import lora
-from dist import all_ranks, distributed, fsdp_modules, global_stats, global_sum, stat_op
+from dist import distributed, fsdp_modules, global_stats, global_sum, stat_op
 from kv_reuse import compiled_pieces, completion_hidden, micro_batches, split_runs, token_slots
 from logprobs import token_logprobs
+from losses import (clipped, entropy_mask, group_advantages, loss_weights, policy_loss,
+                    sampling_correction)
 from rollout import COMPILE_MIN_TOKENS, LAST, eos_tensor, generate_in_waves
 
 # per-completion entries of the buffer: (B*G, C) token tensors or (B*G,) row tensors
@@ -81,73 +84,8 @@ def concat_groups(bufs, pad_token_id):
     return out
 
 
-def group_advantages(rewards, group_size, scale_rewards="group"):
-    """A_i = r_i - mean(group), divided by the group's std ("group"), the batch's ("batch") or not
-    ("none", Dr. GRPO). Returns (advantages (B*G,), the fraction of groups with equal rewards)."""
-    r = rewards.float().view(-1, group_size)  # (B, G)
-    adv = r - r.mean(1, keepdim=True)
-    std_group = r.std(1, keepdim=True) if group_size > 1 else torch.zeros_like(adv[:, :1])
-    if scale_rewards == "group":
-        adv = adv / (std_group + 1e-4)
-    elif scale_rewards == "batch":  # the unbiased std of all B*G rewards, every rank's, two passes
-        n = global_sum(torch.tensor(float(r.numel()), dtype=torch.float64, device=r.device))
-        mean = global_sum(r.double().sum()) / n
-        var = global_sum(((r.double() - mean) ** 2).sum()) / (n - 1).clamp_min(1)
-        adv = adv / (var.sqrt().float() + 1e-4) if n > 1 else adv
-    elif scale_rewards != "none":
-        raise ValueError(f"scale_rewards={scale_rewards!r}: use group, batch or none")
-    return adv.view(-1), (std_group.squeeze(1) < 1e-6).float().mean().item()
 
 
-def loss_weights(completion_mask, loss_type, max_completion_len, steps_per_generation=1):
-    """(B*G, C) weight per token so that loss = sum(per_token_loss * w) over one mini-batch
-    reproduces TRL's loss_type aggregations, whatever the micro-batch split (the normalizer is the
-    mini-batch's). Rows are in mini-batch order: mini-batch k is rows [k*R, (k+1)*R), R = B*G / K,
-    K = steps_per_generation. Per mini-batch, with S sequences:
-        grpo:         1/S * sum_i ( sum_t l_it m_it / sum_t m_it )   (per sequence, then the mean)
-        bnpo:         sum_it l_it m_it / sum_it m_it                 (token mean of the mini-batch)
-        dapo, cispo:  sum_it l_it m_it / (M / K)      (M: the generation batch's tokens)
-        dr_grpo:      sum_it l_it m_it / (S * max_completion_len)    (constant: no length bias)
-    Rows whose mask is all zero (masked truncated completions) get weight 0 and do not count in S.
-    Under torchrun every count is global_sum'd: mini-batch k is rank 0's k-th, rank 1's k-th, ..."""
-    m, K = completion_mask.float(), steps_per_generation  # (B*G, C)
-    mk = m.view(K, -1, m.shape[1])  # (K, R, C)
-    if loss_type == "grpo":
-        lens = mk.sum(2, keepdim=True)  # (K, R, 1)
-        n_seq = global_sum((lens > 0).sum(1, keepdim=True)).clamp_min(1)  # (K, 1, 1)
-        w = mk / lens.clamp_min(1) / n_seq
-    elif loss_type == "bnpo":
-        w = mk / global_sum(mk.sum((1, 2), keepdim=True)).clamp_min(1)
-    elif loss_type in ("dapo", "cispo"):
-        w = mk / (global_sum(m.sum()).clamp_min(1) / K)
-    elif loss_type == "dr_grpo":
-        n_seq = global_sum(torch.tensor(float(mk.shape[1]), device=m.device))
-        w = mk / (n_seq * max_completion_len)
-    else:
-        raise ValueError(f"loss_type={loss_type!r}: use grpo, bnpo, dr_grpo, dapo or cispo")
-    return w.reshape(m.shape)
-
-
-def quantile_any_size(x, q):
-    """torch.quantile(x, q) of a 1-D x by the same float ops, for any length (it refuses 2**24+)"""
-    pos = torch.tensor(q, dtype=x.dtype, device=x.device) * (x.numel() - 1)
-    lo, hi = int(pos.floor()), int(pos.ceil())  # linear interpolation between these two ranks
-    return torch.lerp(x.kthvalue(lo + 1).values, x.kthvalue(hi + 1).values, pos - lo)
-
-
-def entropy_mask(ent, loss_mask, quantile, steps_per_generation=1):
-    """(B*G, C) bool: the top `quantile` fraction by entropy of each mini-batch's loss tokens (every
-    rank's), as TRL's get_high_entropy_mask: entropy >= torch.quantile(entropies, 1 - quantile)"""
-    K, C = steps_per_generation, ent.shape[1]
-    out = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
-    for e, m, o in zip(ent.view(K, -1, C), loss_mask.bool().view(K, -1, C), out.view(K, -1, C)):
-        values = e[m].float()  # (this rank's loss tokens of the mini-batch,)
-        if distributed():
-            values = torch.cat([v.to(e.device) for v in all_ranks(values.cpu())])
-        if values.numel():
-            threshold = quantile_any_size(values, 1 - quantile)
-            o.copy_((e * m >= threshold) & m)
-    return out
 
 
 def one_entropy_per_context(ent, buf):
@@ -265,50 +203,8 @@ def fill_logprobs(model, buf, key, mbs, cfg, entropy=False):
     return ents
 
 
-def row_sum(x, keep):
-    """x (N,) over the keep (R, C) tokens (row-major) -> (N,): each token gets its row's sum of x"""
-    dense = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_scatter(keep, x)
-    return dense.sum(1, keepdim=True).expand_as(keep)[keep]
 
 
-def policy_loss(logp, old, adv, keep, cfg, ent_mask=None):
-    """(per-token policy loss, importance ratio), each (N,) over the keep (R, C) tokens, row-major:
-        token level:     r_t = exp(logp_t - old_t)
-        sequence level:  r_t = s_i = exp( 1/|y_i| sum_t (logp_it - old_it) )   (GSPO: one ratio
-                         per completion i on all its tokens, clipped with epsilon / epsilon_high)
-        clip losses:     l_t = -min(r_t A, clip(r_t, 1 - epsilon, 1 + epsilon_high) A)
-        cispo:           l_t = -sg(min(r_t, epsilon_high)) A logp_t   (TRL 1.16: epsilon_high is
-                         the cap itself; the detached weight keeps every token's gradient,
-                         A min(r_t, epsilon_high) grad logp_t, where PPO's clip would zero it)
-    ent_mask (N,): 1 for the tokens that carry the policy loss (top_entropy_quantile), else 0."""
-    log_ratio = logp - old  # (N,)
-    if cfg.importance_sampling_level == "sequence":  # length-normalized
-        log_ratio = row_sum(log_ratio, keep) / keep.sum(1, keepdim=True).expand_as(keep)[keep]
-    ratio = torch.exp(log_ratio)
-    if cfg.loss_type == "cispo":
-        per_token = -torch.clamp(ratio, max=cfg.epsilon_high).detach() * adv * logp
-    else:
-        clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
-        per_token = -torch.min(ratio * adv, clipped * adv)
-    if ent_mask is not None:
-        per_token = per_token * ent_mask
-    return per_token, ratio
-
-
-def sampling_correction(old, sampler, keep, cfg):
-    """TRL's importance-sampling correction for a sampler that is not the training forward (vLLM
-    there, our decode kernels here), w (N,) over the keep (R, C) tokens, with TRL's modes:
-        token_*:     w_t = exp(old_t - sampler_t)
-        sequence_*:  w_i = exp( sum_t (old_it - sampler_it) ) on all the row's tokens
-    *_truncate clamps w to [clip_min, clip_max], *_mask sets w outside it to 0."""
-    diff = old - sampler
-    if cfg.vllm_importance_sampling_mode.startswith("sequence"):
-        diff = row_sum(diff, keep)
-    w = torch.exp(diff)
-    lo, hi = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
-    if cfg.vllm_importance_sampling_mode.endswith("truncate"):
-        return w.clamp(lo, hi)
-    return w.masked_fill((w < lo) | (w > hi), 0.0)
 
 
 def micro_batch_loss(model, mb, cfg):
@@ -324,28 +220,23 @@ def micro_batch_loss(model, mb, cfg):
     w = mb["loss_weights"][keep]  # (N,)
     old = mb["old_logp"][keep] if "old_logp" in mb else logp.detach()
     ent_mask = mb["entropy_mask"][keep].float() if "entropy_mask" in mb else None  # (N,)
-    per_token, ratio = policy_loss(logp, old, adv, keep, cfg, ent_mask)
-    stats = {}
+    stats, is_w = {}, None
     if "sampler_logp" in mb:  # one policy, two sets of kernels (TRL's sampling_logp_difference)
         sampler = mb["sampler_logp"][keep]
         delta = (old - sampler).abs()
         stats.update(sampling_logp_diff=(delta * w).sum(), sampling_logp_diff_max=delta.max())
         if cfg.vllm_importance_sampling_correction:  # on the policy loss, before the KL, as TRL
             is_w = sampling_correction(old, sampler, keep, cfg)
-            per_token = per_token * is_w
             stats.update(is_ratio=(is_w * w).sum(), is_ratio_min=is_w.min(),
                          is_ratio_max=is_w.max())
+    per_token, ratio = policy_loss(logp, old, adv, keep, cfg, ent_mask, is_w)
     if cfg.beta > 0:
         d = mb["ref_logp"][keep] - logp
         kl = torch.exp(d) - d - 1
         per_token = per_token + cfg.beta * kl
         stats["kl"] = (kl.detach() * w).sum()
     loss = (per_token * w).sum()
-    if cfg.loss_type == "cispo":  # the weight was capped (TRL's cispo_clip_ratio); no lower clip
-        low, high = torch.zeros_like(ratio), (ratio > cfg.epsilon_high) & (adv > 0)
-    else:
-        low = (ratio < 1 - cfg.epsilon) & (adv < 0)
-        high = (ratio > 1 + cfg.epsilon_high) & (adv > 0)
+    low, high = clipped(ratio, adv, cfg)
     stats["clip_low"], stats["clip_high"] = (low * w).sum(), (high * w).sum()
     stats["clip_ratio"] = stats["clip_low"] + stats["clip_high"]
     stats["entropy"] = (ent.detach().float() * w).sum()

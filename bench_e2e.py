@@ -126,6 +126,9 @@ FEATURES = {  # each on the Qwen2.5 4-layer model, 1024 tokens (the compiled dec
     "naive": ["--logprob_impl=naive", "--micro_batch_tokens=8192"],  # (its fp32 logits: 32768 tokens need 77 GiB)
     "chunked": ["--logprob_impl=chunked"], "is-correction": ["--vllm_importance_sampling_correction=True"],
     "fp32": ["--dtype=float32"], "cispo": ["--loss_type=cispo", "--epsilon_high=5.0"],
+    "sapo": ["--loss_type=sapo"],  # vespo: its weight takes the sampler correction in
+    "vespo": ["--loss_type=vespo", "--vllm_importance_sampling_correction=True",
+              "--vllm_importance_sampling_mode=token_mask"],
     "deterministic": ["--deterministic=True"],
     "lora": ["--lora_r=16"], "lora-beta": ["--lora_r=16", "--beta=0.04"],  # (peft: in the device image)
 }

@@ -52,11 +52,17 @@ steps_per_generation = 1  # K: optimizer steps a pass, on disjoint mini-batches 
 epsilon = 0.2  # the PPO clip: the ratio is clipped below at 1 - epsilon
 epsilon_high = 0.28  # DAPO's clip-higher, above at 1 + epsilon_high (= epsilon: the symmetric clip)
 beta = 0.0  # weight of the k3 KL to the initial model; 0 loads no reference model at all
-loss_type = "dapo"  # grpo | bnpo | dr_grpo | dapo | cispo (cispo's cap is epsilon_high: e.g. 5.0)
+loss_type = "dapo"  # grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo | vespo (policy_loss)
 importance_sampling_level = "token"  # token | sequence (GSPO: one length-normalized ratio a row)
 top_entropy_quantile = 1.0  # only this top fraction of tokens by entropy carries the policy loss
 scale_rewards = "group"  # the advantage over the std of its group | batch | none
 mask_truncated_completions = False  # completions cut at max_completion_len carry no loss
+sapo_temperature_pos = 1.0  # sapo's soft clip: the gate's slope for tokens with advantage > 0
+sapo_temperature_neg = 1.05  # ... and for the others
+vespo_k_pos = 2.0  # vespo's weight w^k e^(lambda (1 - w)) of a sequence ratio w, advantage >= 0
+vespo_lambda_pos = 3.0
+vespo_k_neg = 3.0  # ... and advantage < 0
+vespo_lambda_neg = 2.0
 # TRL's correction for the sampler's and trainer's slightly different log-probs (sampling_logp_diff)
 vllm_importance_sampling_correction = False  # weight the policy loss by exp(old - sampler logp)
 vllm_importance_sampling_mode = "sequence_mask"  # {token,sequence}_{truncate,mask}
@@ -124,7 +130,7 @@ def parse_config(argv, defaults=None):
     return SimpleNamespace(**cfg)
 
 
-CHOICES = {"loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"),
+CHOICES = {"loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"),
            "scale_rewards": ("group", "batch", "none"),
            "importance_sampling_level": ("token", "sequence"),
            "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate",
@@ -135,11 +141,12 @@ AT_LEAST_1 = ("max_steps", "prompts_per_step", "max_prompt_len", "max_completion
 AT_LEAST_0 = ("warmup_steps", "eval_every", "save_every", "eval_pass_k", "soft_punish_cache",
               "eval_samples", "max_flat_steps", "lora_r")
 POSITIVE = ("lr", "temperature", "vllm_importance_sampling_clip_max", "eval_temperature",
-            "dist_timeout_minutes", "lora_alpha")
+            "dist_timeout_minutes", "lora_alpha", "sapo_temperature_pos", "sapo_temperature_neg")
 RANGES = {  # key: (is the value valid?, the valid range as an error states it)
     **{k: (lambda v: finite(v) and v > 0, "finite and > 0") for k in POSITIVE},
     **{k: (lambda v: finite(v) and v >= 0, "finite and >= 0")
-       for k in ("weight_decay", "epsilon_high", "overlong_penalty_factor")},
+       for k in ("weight_decay", "epsilon_high", "overlong_penalty_factor", "vespo_k_pos",
+                 "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")},
     "grad_clip": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no clipping)"),
     "epsilon": (lambda v: 0 <= v <= 1, "in [0, 1] (the ratio is clipped below at 1 - epsilon)"),
     "beta": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no KL, no reference model)"),
@@ -204,6 +211,10 @@ def check_config(cfg):
         errors += [f"--loss_type=cispo with --epsilon_high={cfg.epsilon_high}: cispo caps the "
                    f"importance weight AT epsilon_high (ScaleRL's eps_max, as TRL), so < 1 would "
                    f"shrink every on-policy gradient; use e.g. --epsilon_high=5.0"]
+    sequence_correction = cfg.vllm_importance_sampling_mode.startswith("sequence")
+    if cfg.loss_type == "vespo" and cfg.vllm_importance_sampling_correction and sequence_correction:
+        errors += ["--loss_type=vespo folds the sampler correction into its sequence weight token "
+                   "by token: use --vllm_importance_sampling_mode=token_truncate or token_mask"]
     if cfg.soft_punish_cache >= cfg.max_completion_len:
         errors += [f"--soft_punish_cache={cfg.soft_punish_cache}: must be < --max_completion_len="
                    f"{cfg.max_completion_len} (the penalty ramps over that many tokens before it)"]

@@ -1213,7 +1213,9 @@ def _trainer_cfg(**kw):
 
 # every loss variant the split test runs (each with num_iterations=2, beta=0.1 and off-policy old log-probs)
 _LOSS_VARIANTS = [dict(loss_type=t, epsilon_high=1.1 if t == "cispo" else 0.28) for t in
-                  ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")] + [
+                  ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")] + [
+    dict(loss_type="luspo", importance_sampling_level="sequence"),
+    dict(loss_type="vespo", vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_mask"),
     dict(loss_type="grpo", importance_sampling_level="sequence"),
     dict(loss_type="dapo", importance_sampling_level="sequence"),
     dict(loss_type="cispo", epsilon_high=1.1, importance_sampling_level="sequence"),
@@ -1229,7 +1231,7 @@ _LOSS_VARIANTS = [dict(loss_type=t, epsilon_high=1.1 if t == "cispo" else 0.28) 
 def test_batching_sampling_correction_modes_hand_computed():
     """TRL's four importance-sampling modes on hand numbers: w = exp(old - sampler) per token, or exp of the row's sum
     on every token of the row; *_truncate clamps to [clip_min, clip_max], *_mask zeroes what falls outside"""
-    import batching
+    import losses
     keep = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)  # rows of 3 and 2 tokens
     old = torch.tensor([0.0, -1.0, -2.0, -0.5, -0.5])
     sampler = torch.tensor([-1.5, -1.0, -1.0, -1.0, -1.5])  # old - sampler = 1.5, 0, -1 | 0.5, 1
@@ -1241,7 +1243,7 @@ def test_batching_sampling_correction_modes_hand_computed():
     for mode, w in want.items():
         cfg = SimpleNamespace(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.5,
                               vllm_importance_sampling_clip_max=3.0)
-        assert_close(batching.sampling_correction(old, sampler, keep, cfg), torch.tensor(w), 1e-6, mode)
+        assert_close(losses.sampling_correction(old, sampler, keep, cfg), torch.tensor(w), 1e-6, mode)
 
 
 @check
@@ -1529,6 +1531,7 @@ def test_batching_ranks_sum_to_one_process():
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
     import batching
+    import losses
     import dist
     import grpo
     assert not dist.distributed()
@@ -1561,7 +1564,7 @@ def test_batching_ranks_sum_to_one_process():
             assert not dist.fsdp_modules(ref)
         _dist_grads_and_step(model, buf, rewards, cfg, f"{tmp[2]}/{loss_type}_one.pt", ref)
         if loss_type == "entropy_batch":  # a rank-local threshold or std would differ: the test would see it
-            local_adv = batching.group_advantages(rewards[:6], 3, "batch")[0]
+            local_adv = losses.group_advantages(rewards[:6], 3, "batch")[0]
             assert (local_adv - buf["advantages"][:6]).abs().max() > 1e-3
             assert 0 < buf["entropy_mask"].sum() < buf["completion_mask"].sum()
         one = torch.load(f"{tmp[2]}/{loss_type}_one.pt")
@@ -1588,7 +1591,9 @@ def test_batching_ranks_sum_to_one_process():
 
 def _policy_cfg(**kw):
     return SimpleNamespace(**{"loss_type": "dapo", "importance_sampling_level": "token", "epsilon": 0.2,
-                              "epsilon_high": 0.28, **kw})
+                              "epsilon_high": 0.28, "sapo_temperature_pos": 1.3, "sapo_temperature_neg": 0.8,
+                              "vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5, "vespo_k_neg": 2.5,
+                              "vespo_lambda_neg": 1.5, **kw})
 
 
 def _hand_batch():
@@ -1627,17 +1632,17 @@ def test_grpo_completions_end_at_every_stop_token():
 def test_batching_entropy_threshold_any_size():
     """the entropy mask's threshold is torch.quantile's value exactly (ties, q at the ends, n = 1), and it still
     comes past torch.quantile's 2**24-element limit, which a mini-batch gathered over ranks reaches"""
-    import batching
+    import losses
     g = torch.Generator().manual_seed(0)
     for n in (1, 2, 3, 7, 100, 1001):
         for q in (0.0, 0.2, 0.37, 0.5, 0.6, 0.8, 0.999, 1.0):
             x = torch.rand(n, generator=g)
             x[: n // 3] = 0.25  # ties
-            assert batching.quantile_any_size(x, q).item() == torch.quantile(x, q).item(), (n, q)
+            assert losses.quantile_any_size(x, q).item() == torch.quantile(x, q).item(), (n, q)
     big = torch.rand(2**24 + 5, generator=g)
     big[-1] = 2.0  # the maximum, so q=1 must find it
-    assert batching.quantile_any_size(big, 1.0).item() == 2.0
-    assert abs(batching.quantile_any_size(big, 0.8).item() - 0.8) < 1e-3
+    assert losses.quantile_any_size(big, 1.0).item() == 2.0
+    assert abs(losses.quantile_any_size(big, 0.8).item() - 0.8) < 1e-3
 
 
 @check
@@ -1647,6 +1652,7 @@ def test_batching_entropy_ties_one_value_per_context():
     of a repeated prompt (whatever its padding ids); a token after the rows part keeps its own. So a threshold that
     lands on such a tie keeps all of it or none, whatever float noise each pass left (unified: 8 tokens, not 6)"""
     import batching
+    import losses
     ids = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 9], [5, 6, 7, 1], [4, 6, 7, 8]])  # 2 groups of 2
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]])
     ent = torch.rand(4, 4, generator=torch.Generator().manual_seed(0)) * mask
@@ -1662,7 +1668,7 @@ def test_batching_entropy_ties_one_value_per_context():
                prompt_mask=torch.ones(1, 2, dtype=torch.long))
     noise = torch.tensor([0.0, 1e-6, -1e-6, 2e-6])
     ent = torch.stack([1 + noise, torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([2.0, 2.1, 2.2, 2.3])], 1)
-    kept = [int(batching.entropy_mask(e, buf["completion_mask"], 0.5).sum())
+    kept = [int(losses.entropy_mask(e, buf["completion_mask"], 0.5).sum())
             for e in (ent, batching.one_entropy_per_context(ent, buf))]
     assert kept == [6, 8], kept
 
@@ -1676,12 +1682,12 @@ def test_batching_loss_variants_hand_computed():
     cispo (eps_high = cap = 1.2): weights min(r, 1.2) = 1.2, 0.5 | 1, 1.2, 0.25, detached: d loss / d logp = -w A;
     top_entropy_quantile=0.4 keeps entropies >= quantile(0.1 .5 .3 .9 .2, 0.6) = 0.38 (padding never, even at 5.0);
     loss_weights with steps_per_generation=2 normalize per mini-batch (dapo: generation tokens / K)"""
-    import batching
+    import losses
     keep, logp, old, adv = _hand_batch()
-    l, r = batching.policy_loss(logp, old, adv, keep, _policy_cfg())
+    l, r = losses.policy_loss(logp, old, adv, keep, _policy_cfg())
     assert_close(r.detach(), torch.tensor([1.5, 0.5, 1.0, 2.0, 0.25]), 1e-6, "token ratio")
     assert_close(l.detach(), torch.tensor([-1.28, -0.5, 1.0, 2.0, 0.8]), 1e-6, "token loss")
-    l, r = batching.policy_loss(logp, old, adv, keep, _policy_cfg(importance_sampling_level="sequence"))
+    l, r = losses.policy_loss(logp, old, adv, keep, _policy_cfg(importance_sampling_level="sequence"))
     s0, s1 = 0.75 ** 0.5, 0.5 ** (1 / 3)
     assert_close(r.detach(), torch.tensor([s0, s0, s1, s1, s1]), 1e-6, "sequence ratio")
     assert_close(l.detach(), torch.tensor([-s0, -s0, 0.8, 0.8, 0.8]), 1e-6, "sequence loss")
@@ -1689,21 +1695,21 @@ def test_batching_loss_variants_hand_computed():
     assert_close(logp.grad, torch.tensor([-s0, -s0, 0, 0, 0]), 1e-6, "sequence grad")
     logp.grad = None
     cfg = _policy_cfg(loss_type="cispo", epsilon_high=1.2)
-    l, r = batching.policy_loss(logp, old, adv, keep, cfg)
+    l, r = losses.policy_loss(logp, old, adv, keep, cfg)
     w = torch.tensor([1.2, 0.5, 1.0, 1.2, 0.25])
     assert_close(l.detach(), -w * adv * logp.detach(), 1e-6, "cispo loss")
     l.sum().backward()
     assert_close(logp.grad, -w * adv, 1e-6, "cispo grad")
     ent = torch.tensor([[0.1, 0.5, 5.0], [0.3, 0.9, 0.2]])
-    em = batching.entropy_mask(ent, keep.long(), 0.4)
+    em = losses.entropy_mask(ent, keep.long(), 0.4)
     assert em.tolist() == [[False, True, False], [False, True, False]], em
-    l, _ = batching.policy_loss(logp, old, adv, keep, _policy_cfg(), em[keep].float())
+    l, _ = losses.policy_loss(logp, old, adv, keep, _policy_cfg(), em[keep].float())
     assert_close(l.detach(), torch.tensor([0, -0.5, 0, 2.0, 0]), 1e-6, "entropy-masked loss")
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0]])  # mini-batches: rows 0-1 | rows 2-3
     want = {"grpo": [1 / 4, 1 / 6, 1, 0], "bnpo": [1 / 5, 1 / 5, 1, 0], "dapo": [1 / 3] * 3 + [0],
             "cispo": [1 / 3] * 3 + [0], "dr_grpo": [1 / 16] * 3 + [0]}
     for loss_type, per_row in want.items():
-        got = batching.loss_weights(mask, loss_type, 8, steps_per_generation=2)
+        got = losses.loss_weights(mask, loss_type, 8, steps_per_generation=2)
         assert_close(got, mask * torch.tensor(per_row)[:, None], 1e-6, f"{loss_type} weights, K=2")
 
 
@@ -1717,25 +1723,28 @@ def _trl_compute_loss():
         return None
     path = os.path.join(os.path.dirname(spec.origin), "trainer", "grpo_trainer.py")
     cls = next(n for n in ast.parse(open(path).read()).body if isinstance(n, ast.ClassDef) and n.name == "GRPOTrainer")
-    fns = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in ("_compute_loss",
-                                                                                 "get_high_entropy_mask")]
-    for f in fns:
-        f.decorator_list = []
-    ns = {"torch": torch, "nanmin": lambda x: x.min(), "nanmax": lambda x: x.max()}
+    names = ("_compute_loss", "get_high_entropy_mask", "get_gamma_weights")
+    fns = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    for f in fns:  # (get_gamma_weights keeps its torch.no_grad: its weight is a constant)
+        f.decorator_list = [d for d in f.decorator_list if f.name == "get_gamma_weights"
+                            and ast.unparse(d) != "staticmethod"]
+    ns = {"torch": torch, "math": math, "nanmin": lambda x: x.min(), "nanmax": lambda x: x.max()}
     exec(compile(ast.Module(body=fns, type_ignores=[]), path, "exec"), ns)  # noqa: S102 - TRL's own source
-    return ns["_compute_loss"], ns["get_high_entropy_mask"]
+    return tuple(ns[n] for n in names)
 
 
 @check
 def test_batching_loss_matches_trl_compute_loss():
     """our weights x policy_loss (x entropy_mask) == TRL 1.16's _compute_loss, value and gradient, on the same
-    log-probs: every loss_type x importance_sampling_level, and top_entropy_quantile (one micro-batch = the batch)"""
+    log-probs: every loss_type x importance_sampling_level, with top_entropy_quantile, and with the sampler
+    correction (token_truncate: vespo folds it into its weight, the others multiply the loss by it), one
+    micro-batch = the batch; the sapo and vespo knobs away from their defaults"""
     import collections
-    import batching
+    import losses
     fns = _trl_compute_loss()
     if fns is None:
         raise Skip("trl not installed (pip install trl==1.16.0)")
-    compute_loss, high_entropy_mask = fns
+    compute_loss, high_entropy_mask, gamma_weights = fns
     torch.manual_seed(0)
     R, C, L = 4, 5, 6
     mask = (torch.arange(C) < torch.tensor([5, 2, 3, 1])[:, None]).long()  # (R, C)
@@ -1745,51 +1754,65 @@ def test_batching_loss_matches_trl_compute_loss():
     adv = torch.tensor([1.0, -0.5, 2.0, -1.5])
     acc = SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x,
                           pad_across_processes=lambda x, dim, pad_index: x, gather_for_metrics=lambda x: x)
+    keep = mask.bool()
+    sampler = old[keep] + 0.5 * torch.randn(int(mask.sum()))  # the sampler's log-probs, off the trainer's
+    correction = SimpleNamespace(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=0.5,
+                                 vllm_importance_sampling_clip_max=2.0)
+    is_w = losses.sampling_correction(old[keep], sampler, keep, correction)  # (N,), some clamped
+    assert ((is_w == 0.5) | (is_w == 2.0)).any() and ((is_w > 0.5) & (is_w < 2.0)).any()
+    is_dense = torch.ones(R, C).masked_scatter(keep, is_w)  # TRL's (R, C), 1 on padding
     for loss_type in config.CHOICES["loss_type"]:
-        for level in ("token", "sequence"):
-            for q in (1.0, 0.3):
-                eps_high = 1.3 if loss_type == "cispo" else 0.28
-                trl_logp = base.clone().requires_grad_(True)
-                me = SimpleNamespace(
-                    _get_per_token_logps_and_entropies=lambda *a, **k: (trl_logp, ent, None),
-                    top_entropy_quantile=q, off_policy_mask_threshold=None, importance_sampling_level=level,
-                    beta=0.0, loss_type=loss_type, epsilon_low=0.2, epsilon_high=eps_high, use_vllm=False,
-                    args=SimpleNamespace(delta=None, steps_per_generation=1), model=SimpleNamespace(training=True),
-                    current_gradient_accumulation_steps=1, accelerator=acc, _entropy_bonus_enabled=False,
-                    aux_loss_enabled=False, max_completion_length=L,
-                    _metrics=collections.defaultdict(lambda: collections.defaultdict(list)))
-                me.get_high_entropy_mask = lambda *a: high_entropy_mask(me, *a)
-                inputs = dict(prompt_ids=torch.zeros(R, 1, dtype=torch.long), prompt_mask=torch.ones(R, 1),
-                              completion_ids=torch.zeros(R, C, dtype=torch.long), completion_mask=mask,
-                              advantages=adv, old_per_token_logps=old, num_items_in_batch=mask.sum())
-                want = compute_loss(me, None, inputs)
-                want.backward()
-                keep = mask.bool()
-                cfg = _policy_cfg(loss_type=loss_type, importance_sampling_level=level, epsilon_high=eps_high)
-                logp = base.clone().requires_grad_(True)
-                em = batching.entropy_mask(ent, mask, q)[keep].float() if q < 1 else None
-                l, _ = batching.policy_loss(logp[keep], old[keep], adv[:, None].expand_as(keep)[keep], keep, cfg, em)
-                got = (l * batching.loss_weights(mask, loss_type, L)[keep]).sum()
-                got.backward()
-                name = f"{loss_type} {level} q={q}"
-                assert abs(got.item() - want.item()) < 1e-6 * max(1, abs(want.item())), (name, got, want)
-                assert_close(logp.grad * mask, trl_logp.grad * mask, 1e-6, name)
-                assert logp.grad.norm() > 0, name
+        for level, q, corr in [(lv, q, False) for lv in ("token", "sequence") for q in (1.0, 0.3)] + [
+                ("token", 1.0, True), ("sequence", 0.3, True)]:
+            eps_high = 1.3 if loss_type == "cispo" else 0.28
+            cfg = _policy_cfg(loss_type=loss_type, importance_sampling_level=level, epsilon_high=eps_high)
+            trl_logp = base.clone().requires_grad_(True)
+            me = SimpleNamespace(
+                _get_per_token_logps_and_entropies=lambda *a, **k: (trl_logp, ent, None),
+                top_entropy_quantile=q, off_policy_mask_threshold=None, importance_sampling_level=level,
+                beta=0.0, loss_type=loss_type, epsilon_low=0.2, epsilon_high=eps_high, use_vllm=corr,
+                vllm_importance_sampling_correction=corr, get_gamma_weights=gamma_weights,
+                args=SimpleNamespace(delta=None, steps_per_generation=1, **{k: getattr(cfg, k) for k in (
+                    "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
+                    "vespo_k_neg", "vespo_lambda_neg")}),
+                model=SimpleNamespace(training=True),
+                current_gradient_accumulation_steps=1, accelerator=acc, _entropy_bonus_enabled=False,
+                aux_loss_enabled=False, max_completion_length=L,
+                _metrics=collections.defaultdict(lambda: collections.defaultdict(list)))
+            me.get_high_entropy_mask = lambda *a: high_entropy_mask(me, *a)
+            inputs = dict(prompt_ids=torch.zeros(R, 1, dtype=torch.long), prompt_mask=torch.ones(R, 1),
+                          completion_ids=torch.zeros(R, C, dtype=torch.long), completion_mask=mask,
+                          advantages=adv, old_per_token_logps=old, num_items_in_batch=mask.sum())
+            if corr:
+                inputs["importance_sampling_ratio"] = is_dense
+            want = compute_loss(me, None, inputs)
+            want.backward()
+            logp = base.clone().requires_grad_(True)
+            em = losses.entropy_mask(ent, mask, q)[keep].float() if q < 1 else None
+            l, _ = losses.policy_loss(logp[keep], old[keep], adv[:, None].expand_as(keep)[keep], keep, cfg, em,
+                                      is_w if corr else None)
+            got = (l * losses.loss_weights(mask, loss_type, L)[keep]).sum()
+            got.backward()
+            name = f"{loss_type} {level} q={q} correction={corr}"
+            assert abs(got.item() - want.item()) < 1e-6 * max(1, abs(want.item())), (name, got, want)
+            assert_close(logp.grad * mask, trl_logp.grad * mask, 1e-6, name)
+            assert logp.grad.norm() > 0, name
         # steps_per_generation=2: TRL's loss on each half (one optimizer step, num_items_in_batch still the whole
         # generation batch's tokens) == ours with the per-mini-batch weights
         me.loss_type, me.top_entropy_quantile, me.args.steps_per_generation = loss_type, 1.0, 2
-        me.importance_sampling_level = "token"
-        w2 = batching.loss_weights(mask, loss_type, L, steps_per_generation=2)
+        me.importance_sampling_level, me.use_vllm, me.vllm_importance_sampling_correction = "token", False, False
+        inputs.pop("importance_sampling_ratio", None)
+        w2 = losses.loss_weights(mask, loss_type, L, steps_per_generation=2)
         for rows in (slice(0, 2), slice(2, 4)):
             trl_logp = base[rows].clone().requires_grad_(True)
             me._get_per_token_logps_and_entropies = lambda *a, **k: (trl_logp, ent[rows], None)
             half = {k: v[rows] if torch.is_tensor(v) and v.dim() else v for k, v in inputs.items()}
             want = compute_loss(me, None, half)
-            keep = mask[rows].bool()
+            k2 = mask[rows].bool()
             logp = base[rows]
-            l, _ = batching.policy_loss(logp[keep], old[rows][keep], adv[rows, None].expand_as(keep)[keep], keep,
-                                        _policy_cfg(loss_type=loss_type, epsilon_high=me.epsilon_high))
-            got = (l * w2[rows][keep]).sum()
+            l, _ = losses.policy_loss(logp[k2], old[rows][k2], adv[rows, None].expand_as(k2)[k2], k2,
+                                      _policy_cfg(loss_type=loss_type, epsilon_high=me.epsilon_high))
+            got = (l * w2[rows][k2]).sum()
             assert abs(got.item() - want.item()) < 1e-6 * max(1, abs(want.item())), (loss_type, "K=2", got, want)
 
 
@@ -1828,6 +1851,7 @@ def test_batching_steps_per_generation_shuffles_whole_groups():
     prompts, every group once; old log-probs computed although num_iterations=1 (steps 2 and 3 are off-policy) and
     equal to the on-policy log-probs of the same weights; each mini-batch's grpo weights sum to 1"""
     import batching
+    import losses
     model, buf, rewards = _tiny_buffer()
     orig = dict(buf)
     torch.manual_seed(5)
@@ -1838,7 +1862,7 @@ def test_batching_steps_per_generation_shuffles_whole_groups():
                                                                                loss_type="grpo"))
     assert steps == [[(0, 1)], [(1, 2)], [(2, 3)]], steps
     G = buf["group_size"]
-    adv0, _ = batching.group_advantages(rewards, G)
+    adv0, _ = losses.group_advantages(rewards, G)
     for k, b in enumerate(perm.tolist()):  # mini-batch k holds original group b, prompt and completions together
         assert torch.equal(buf["prompt_ids"][k], orig["prompt_ids"][b])
         assert torch.equal(buf["completion_ids"][k * G:(k + 1) * G], orig["completion_ids"][b * G:(b + 1) * G])
@@ -1860,17 +1884,17 @@ def test_batching_steps_per_generation_shuffles_whole_groups():
 @check
 def test_batching_loss_type_weights_match_trl():
     """sum(l * w) reproduces TRL's aggregations on a (2, 4) mask with lengths 2 and 4 and per-token losses l"""
-    import batching
+    import losses
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
     l = torch.tensor([[1.0, 3.0, 9.0, 9.0], [2.0, 2.0, 2.0, 6.0]])
     want = {"grpo": (2.0 + 3.0) / 2,  # mean over each sequence, then over sequences
             "bnpo": 16.0 / 6, "dapo": 16.0 / 6,  # token mean over the batch
             "dr_grpo": 16.0 / (2 * 8)}  # / (num_seqs * max_completion_len)
     for loss_type, v in want.items():
-        got = (l * batching.loss_weights(mask, loss_type, max_completion_len=8)).sum().item()
+        got = (l * losses.loss_weights(mask, loss_type, max_completion_len=8)).sum().item()
         assert abs(got - v) < 1e-6, (loss_type, got, v)
-    assert_raises(ValueError, lambda: batching.loss_weights(mask, "ppo", 8), "loss_type")
-    adv, frac = batching.group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, "none")
+    assert_raises(ValueError, lambda: losses.loss_weights(mask, "ppo", 8), "loss_type")
+    adv, frac = losses.group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, "none")
     assert adv.tolist() == [0.5, -0.5, 0.0, 0.0] and frac == 0.5
 
 
@@ -3130,6 +3154,8 @@ def test_grpo_config_checked_before_anything_loads():
                       (("--reward=task,tasks:parse_int", "--reward_weights=1"), "want 2 finite numbers"),
                       (("--soft_punish_cache=64",), "< --max_completion_len=64"),
                       (("--loss_type=cispo",), "--epsilon_high=5.0"),
+                      (("--loss_type=vespo", "--vllm_importance_sampling_correction=True"), "token_truncate"),
+                      (("--sapo_temperature_neg=0",), "finite and > 0"),
                       (("--steps_per_generation=5",), "must divide --prompts_per_step=32"),
                       (("--eval_file=x.jsonl",), "only a dataset task"),
                       (("--top_entropy_quantile=1.5",), "in [0, 1]"), (("--importance_sampling_level=seq",), "one of")]:
