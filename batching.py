@@ -84,10 +84,6 @@ def concat_groups(bufs, pad_token_id):
     return out
 
 
-
-
-
-
 def one_entropy_per_context(ent, buf):
     """ent (B*G, C) with each token's entropy taken from the first row whose token there has the
     same context (prompt and earlier tokens): a group's first tokens, every position of a prefix
@@ -203,10 +199,6 @@ def fill_logprobs(model, buf, key, mbs, cfg, entropy=False):
     return ents
 
 
-
-
-
-
 def micro_batch_loss(model, mb, cfg):
     """sum over this micro-batch's tokens of (policy_loss + beta * k3) * loss_weights, with
         k3 = exp(ref - logp) - (ref - logp) - 1   (Schulman's unbiased KL estimate, always >= 0)
@@ -229,7 +221,8 @@ def micro_batch_loss(model, mb, cfg):
             is_w = sampling_correction(old, sampler, keep, cfg)
             stats.update(is_ratio=(is_w * w).sum(), is_ratio_min=is_w.min(),
                          is_ratio_max=is_w.max())
-    per_token, ratio = policy_loss(logp, old, adv, keep, cfg, ent_mask, is_w)
+    sampler = mb["sampler_logp"][keep] if "sampler_logp" in mb else None
+    per_token, ratio = policy_loss(logp, old, adv, keep, cfg, ent_mask, is_w, sampler)
     if cfg.beta > 0:
         d = mb["ref_logp"][keep] - logp
         kl = torch.exp(d) - d - 1

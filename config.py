@@ -57,6 +57,8 @@ importance_sampling_level = "token"  # token | sequence (GSPO: one length-normal
 top_entropy_quantile = 1.0  # only this top fraction of tokens by entropy carries the policy loss
 scale_rewards = "group"  # the advantage over the std of its group | batch | none
 mask_truncated_completions = False  # completions cut at max_completion_len carry no loss
+delta = 0.0  # INTELLECT-2's two-sided clip: the ratio capped at delta (0 = off; > 1 + epsilon_high)
+off_policy_mask_threshold = 0.0  # rows with A < 0 and a mean KL from the sampler over it: no loss
 sapo_temperature_pos = 1.0  # sapo's soft clip: the gate's slope for tokens with advantage > 0
 sapo_temperature_neg = 1.05  # ... and for the others
 vespo_k_pos = 2.0  # vespo's weight w^k e^(lambda (1 - w)) of a sequence ratio w, advantage >= 0
@@ -145,8 +147,9 @@ POSITIVE = ("lr", "temperature", "vllm_importance_sampling_clip_max", "eval_temp
 RANGES = {  # key: (is the value valid?, the valid range as an error states it)
     **{k: (lambda v: finite(v) and v > 0, "finite and > 0") for k in POSITIVE},
     **{k: (lambda v: finite(v) and v >= 0, "finite and >= 0")
-       for k in ("weight_decay", "epsilon_high", "overlong_penalty_factor", "vespo_k_pos",
-                 "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")},
+       for k in ("weight_decay", "epsilon_high", "overlong_penalty_factor", "delta",
+                 "off_policy_mask_threshold", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                 "vespo_lambda_neg")},
     "grad_clip": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no clipping)"),
     "epsilon": (lambda v: 0 <= v <= 1, "in [0, 1] (the ratio is clipped below at 1 - epsilon)"),
     "beta": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no KL, no reference model)"),

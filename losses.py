@@ -7,9 +7,9 @@ the batch and calls them. A new loss_type is a branch in policy_loss and one in 
     A_i    = (r_i - mean(group)) / std           group_advantages
     l_t    = policy_loss(logp_t, old_t, A_i)     per token, one of the menu below
     loss   = sum_t l_t w_t                       w = loss_weights: TRL's normalizer, split-free
-Left out (not built yet): TRL's `delta` (a second clip), `off_policy_mask_threshold` and the
-entropy bonus (`entropy_coef`). The k3 KL (batching.micro_batch_loss) keeps the plain estimator's
-gradient, without TRL's ratio factor (`use_bias_correction_kl`): README's table says why.
+Left out (not built yet): TRL's entropy bonus (`entropy_coef`). The k3 KL (in
+batching.micro_batch_loss) keeps the plain estimator's gradient, without TRL's ratio factor
+(`use_bias_correction_kl`): README's table says why.
 """
 import math
 
@@ -67,12 +67,14 @@ def loss_weights(completion_mask, loss_type, max_completion_len, steps_per_gener
     return w.reshape(m.shape)
 
 
-def policy_loss(logp, old, adv, keep, cfg, ent_mask=None, is_w=None):
+def policy_loss(logp, old, adv, keep, cfg, ent_mask=None, is_w=None, sampler=None):
     """(per-token policy loss, importance ratio), each (N,) over the keep (R, C) tokens, row-major:
         token level:     r_t = exp(logp_t - old_t)
         sequence level:  r_t = s_i = exp( 1/|y_i| sum_t (logp_it - old_it) )   (GSPO: one ratio
                          per completion i on all its tokens, clipped with epsilon / epsilon_high)
         clip losses:     l_t = -min(r_t A, clip(r_t, 1 - epsilon, 1 + epsilon_high) A)
+                         (delta > 0, INTELLECT-2's two-sided clip: r_t capped at delta in the first
+                         term, so a negative advantage's loss is bounded too)
         cispo:           l_t = -sg(min(r_t, epsilon_high)) A logp_t   (TRL 1.16: epsilon_high is
                          the cap itself; the detached weight keeps every token's gradient,
                          A min(r_t, epsilon_high) grad logp_t, where PPO's clip would zero it)
@@ -81,7 +83,8 @@ def policy_loss(logp, old, adv, keep, cfg, ent_mask=None, is_w=None):
         vespo:           l_t = -sg(phi_i) A logp_t   (vespo_weights: a smooth weight of the row's
                          ratio in place of a clip)
     ent_mask (N,): 1 for the tokens that carry the policy loss (top_entropy_quantile), else 0.
-    is_w (N,): the sampler correction (sampling_correction): it scales the loss (vespo: in phi)."""
+    is_w (N,): the sampler correction (sampling_correction): it scales the loss (vespo: in phi).
+    sampler (N,): the sampler's log-probs, for off_policy_mask_threshold > 0 (None: old's)."""
     log_ratio = logp - old  # (N,)
     if cfg.importance_sampling_level == "sequence":  # length-normalized
         log_ratio = row_sum(log_ratio, keep) / keep.sum(1, keepdim=True).expand_as(keep)[keep]
@@ -95,7 +98,12 @@ def policy_loss(logp, old, adv, keep, cfg, ent_mask=None, is_w=None):
         per_token = -vespo_weights(logp.detach() - old, adv, keep, cfg, is_w) * adv * logp
     else:
         bounded = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
-        per_token = -torch.min(ratio * adv, bounded * adv)
+        capped = torch.clamp(ratio, max=cfg.delta) if cfg.delta > 0 else ratio
+        per_token = -torch.min(capped * adv, bounded * adv)
+    if cfg.off_policy_mask_threshold > 0:
+        behind = old if sampler is None else sampler
+        per_token = per_token * off_policy_mask(logp.detach(), behind, adv, keep,
+                                                cfg.off_policy_mask_threshold)
     if ent_mask is not None:
         per_token = per_token * ent_mask
     if is_w is not None and cfg.loss_type != "vespo":
@@ -116,6 +124,16 @@ def vespo_weights(log_ratio, adv, keep, cfg, is_w=None):
     k = torch.where(adv >= 0, cfg.vespo_k_pos, cfg.vespo_k_neg)
     lam = torch.where(adv >= 0, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg).clamp(min=1e-4)
     return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, 0.0, 0.0)
+
+
+def off_policy_mask(logp, sampler, adv, keep, threshold):
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's off_policy_mask_threshold), (N,) over the
+    keep tokens: 0 on every token of a row with A < 0 whose mean KL from the sampler,
+        1/|y_i| sum_t (sampler_it - logp_it)   (logp: the policy's now),
+    is over the threshold (a mistake the policy has moved away from teaches little), else 1"""
+    kl = (sampler - logp).nan_to_num(0.0)
+    kl = row_sum(kl, keep) / keep.sum(1, keepdim=True).expand_as(keep)[keep]
+    return ((adv >= 0) | (kl <= threshold)).float()
 
 
 def row_sum(x, keep):

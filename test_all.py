@@ -1216,6 +1216,7 @@ _LOSS_VARIANTS = [dict(loss_type=t, epsilon_high=1.1 if t == "cispo" else 0.28) 
                   ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")] + [
     dict(loss_type="luspo", importance_sampling_level="sequence"),
     dict(loss_type="vespo", vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_mask"),
+    dict(loss_type="dapo", delta=1.5, off_policy_mask_threshold=2.7),  # (drops 3 of the 5 negative rows)
     dict(loss_type="grpo", importance_sampling_level="sequence"),
     dict(loss_type="dapo", importance_sampling_level="sequence"),
     dict(loss_type="cispo", epsilon_high=1.1, importance_sampling_level="sequence"),
@@ -1593,7 +1594,7 @@ def _policy_cfg(**kw):
     return SimpleNamespace(**{"loss_type": "dapo", "importance_sampling_level": "token", "epsilon": 0.2,
                               "epsilon_high": 0.28, "sapo_temperature_pos": 1.3, "sapo_temperature_neg": 0.8,
                               "vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5, "vespo_k_neg": 2.5,
-                              "vespo_lambda_neg": 1.5, **kw})
+                              "vespo_lambda_neg": 1.5, "delta": 0.0, "off_policy_mask_threshold": 0.0, **kw})
 
 
 def _hand_batch():
@@ -1723,7 +1724,7 @@ def _trl_compute_loss():
         return None
     path = os.path.join(os.path.dirname(spec.origin), "trainer", "grpo_trainer.py")
     cls = next(n for n in ast.parse(open(path).read()).body if isinstance(n, ast.ClassDef) and n.name == "GRPOTrainer")
-    names = ("_compute_loss", "get_high_entropy_mask", "get_gamma_weights")
+    names = ("_compute_loss", "get_high_entropy_mask", "get_gamma_weights", "get_off_policy_mask")
     fns = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in names]
     for f in fns:  # (get_gamma_weights keeps its torch.no_grad: its weight is a constant)
         f.decorator_list = [d for d in f.decorator_list if f.name == "get_gamma_weights"
@@ -1737,14 +1738,15 @@ def _trl_compute_loss():
 def test_batching_loss_matches_trl_compute_loss():
     """our weights x policy_loss (x entropy_mask) == TRL 1.16's _compute_loss, value and gradient, on the same
     log-probs: every loss_type x importance_sampling_level, with top_entropy_quantile, and with the sampler
-    correction (token_truncate: vespo folds it into its weight, the others multiply the loss by it), one
-    micro-batch = the batch; the sapo and vespo knobs away from their defaults"""
+    correction (token_truncate: vespo folds it into its weight, the others multiply the loss by it), with delta
+    (the two-sided clip) and with off_policy_mask_threshold (one negative row dropped, one kept), one micro-batch =
+    the batch; the sapo and vespo knobs away from their defaults"""
     import collections
     import losses
     fns = _trl_compute_loss()
     if fns is None:
         raise Skip("trl not installed (pip install trl==1.16.0)")
-    compute_loss, high_entropy_mask, gamma_weights = fns
+    compute_loss, high_entropy_mask, gamma_weights, off_policy_mask = fns
     torch.manual_seed(0)
     R, C, L = 4, 5, 6
     mask = (torch.arange(C) < torch.tensor([5, 2, 3, 1])[:, None]).long()  # (R, C)
@@ -1761,18 +1763,26 @@ def test_batching_loss_matches_trl_compute_loss():
     is_w = losses.sampling_correction(old[keep], sampler, keep, correction)  # (N,), some clamped
     assert ((is_w == 0.5) | (is_w == 2.0)).any() and ((is_w > 0.5) & (is_w < 2.0)).any()
     is_dense = torch.ones(R, C).masked_scatter(keep, is_w)  # TRL's (R, C), 1 on padding
+    kl = ((torch.zeros(R, C).masked_scatter(keep, sampler) - base) * mask).sum(1) / mask.sum(1)  # (R,)
+    opsm = kl[[1, 3]].mean().item()  # between the negative rows' mean KLs: one is dropped, one kept
+    assert (kl[1] - opsm) * (kl[3] - opsm) < 0, kl
+    cases = [(lv, q, False, 0.0, 0.0) for lv in ("token", "sequence") for q in (1.0, 0.3)] + [
+        ("token", 1.0, True, 0.0, 0.0), ("sequence", 0.3, True, 0.0, 0.0), ("token", 1.0, False, 1.1, 0.0),
+        ("token", 1.0, False, 0.0, opsm), ("sequence", 1.0, True, 1.1, opsm),
+        ("token", 1.0, False, 0.0, kl.max().item() + 0.1)]  # (on, over every row's KL: all kept)
     for loss_type in config.CHOICES["loss_type"]:
-        for level, q, corr in [(lv, q, False) for lv in ("token", "sequence") for q in (1.0, 0.3)] + [
-                ("token", 1.0, True), ("sequence", 0.3, True)]:
+        for level, q, corr, delta, threshold in cases:
             eps_high = 1.3 if loss_type == "cispo" else 0.28
-            cfg = _policy_cfg(loss_type=loss_type, importance_sampling_level=level, epsilon_high=eps_high)
+            cfg = _policy_cfg(loss_type=loss_type, importance_sampling_level=level, epsilon_high=eps_high,
+                              delta=delta, off_policy_mask_threshold=threshold)
             trl_logp = base.clone().requires_grad_(True)
             me = SimpleNamespace(
                 _get_per_token_logps_and_entropies=lambda *a, **k: (trl_logp, ent, None),
-                top_entropy_quantile=q, off_policy_mask_threshold=None, importance_sampling_level=level,
+                top_entropy_quantile=q, off_policy_mask_threshold=threshold or None, importance_sampling_level=level,
                 beta=0.0, loss_type=loss_type, epsilon_low=0.2, epsilon_high=eps_high, use_vllm=corr,
                 vllm_importance_sampling_correction=corr, get_gamma_weights=gamma_weights,
-                args=SimpleNamespace(delta=None, steps_per_generation=1, **{k: getattr(cfg, k) for k in (
+                get_off_policy_mask=off_policy_mask,
+                args=SimpleNamespace(delta=delta or None, steps_per_generation=1, **{k: getattr(cfg, k) for k in (
                     "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
                     "vespo_k_neg", "vespo_lambda_neg")}),
                 model=SimpleNamespace(training=True),
@@ -1782,7 +1792,8 @@ def test_batching_loss_matches_trl_compute_loss():
             me.get_high_entropy_mask = lambda *a: high_entropy_mask(me, *a)
             inputs = dict(prompt_ids=torch.zeros(R, 1, dtype=torch.long), prompt_mask=torch.ones(R, 1),
                           completion_ids=torch.zeros(R, C, dtype=torch.long), completion_mask=mask,
-                          advantages=adv, old_per_token_logps=old, num_items_in_batch=mask.sum())
+                          advantages=adv, old_per_token_logps=old, num_items_in_batch=mask.sum(),
+                          sampling_per_token_logps=torch.zeros(R, C).masked_scatter(keep, sampler))
             if corr:
                 inputs["importance_sampling_ratio"] = is_dense
             want = compute_loss(me, None, inputs)
@@ -1790,10 +1801,10 @@ def test_batching_loss_matches_trl_compute_loss():
             logp = base.clone().requires_grad_(True)
             em = losses.entropy_mask(ent, mask, q)[keep].float() if q < 1 else None
             l, _ = losses.policy_loss(logp[keep], old[keep], adv[:, None].expand_as(keep)[keep], keep, cfg, em,
-                                      is_w if corr else None)
+                                      is_w if corr else None, sampler)
             got = (l * losses.loss_weights(mask, loss_type, L)[keep]).sum()
             got.backward()
-            name = f"{loss_type} {level} q={q} correction={corr}"
+            name = f"{loss_type} {level} q={q} correction={corr} delta={delta} opsm={threshold}"
             assert abs(got.item() - want.item()) < 1e-6 * max(1, abs(want.item())), (name, got, want)
             assert_close(logp.grad * mask, trl_logp.grad * mask, 1e-6, name)
             assert logp.grad.norm() > 0, name
@@ -1801,6 +1812,7 @@ def test_batching_loss_matches_trl_compute_loss():
         # generation batch's tokens) == ours with the per-mini-batch weights
         me.loss_type, me.top_entropy_quantile, me.args.steps_per_generation = loss_type, 1.0, 2
         me.importance_sampling_level, me.use_vllm, me.vllm_importance_sampling_correction = "token", False, False
+        me.args.delta = me.off_policy_mask_threshold = None
         inputs.pop("importance_sampling_ratio", None)
         w2 = losses.loss_weights(mask, loss_type, L, steps_per_generation=2)
         for rows in (slice(0, 2), slice(2, 4)):
