@@ -24,7 +24,7 @@ from rollout import COMPILE_MIN_TOKENS, LAST, eos_tensor, generate_in_waves
 
 # per-completion entries of the buffer: (B*G, C) token tensors or (B*G,) row tensors
 ROW_KEYS = ("completion_ids", "completion_mask", "truncated", "advantages", "loss_weights",
-            "old_logp", "ref_logp", "entropy_mask", "sampler_logp")
+            "old_logp", "ref_logp", "entropy_mask", "entropy_weights", "sampler_logp")
 # how a stat combines over the passes of a step (dist.stat_op names it)
 COMBINE = {"max": torch.maximum, "min": torch.minimum, "sum": torch.add}
 
@@ -202,6 +202,7 @@ def fill_logprobs(model, buf, key, mbs, cfg, entropy=False):
 def micro_batch_loss(model, mb, cfg):
     """sum over this micro-batch's tokens of (policy_loss + beta * k3) * loss_weights, with
         k3 = exp(ref - logp) - (ref - logp) - 1   (Schulman's unbiased KL estimate, always >= 0)
+    minus entropy_coef * sum(entropy * entropy_weights) (the bonus: a mean over the mini-batch).
     Without old_logp (one update per generation) old = logp.detach(): the ratio is exactly 1.
     Returns (loss, stats): detached 0-dim tensors weighted like the loss (so sums are means)."""
     keep = mb["loss_weights"] > 0  # (rows, C): masked truncated rows drop out before the LM head
@@ -229,6 +230,8 @@ def micro_batch_loss(model, mb, cfg):
         per_token = per_token + cfg.beta * kl
         stats["kl"] = (kl.detach() * w).sum()
     loss = (per_token * w).sum()
+    if cfg.entropy_coef > 0:  # TRL's entropy bonus: minus entropy_coef x the mean entropy
+        loss = loss - cfg.entropy_coef * (ent.float() * mb["entropy_weights"][keep]).sum()
     low, high = clipped(ratio, adv, cfg)
     stats["clip_low"], stats["clip_high"] = (low * w).sum(), (high * w).sum()
     stats["clip_ratio"] = stats["clip_low"] + stats["clip_high"]
@@ -375,4 +378,8 @@ def prepare_buffer(model, ref_model, buf, rewards, cfg):
         if cfg.beta > 0:  # (LoRA: the reference is the policy itself with its adapters off)
             with lora.disabled(ref_model) if ref_model is model else contextlib.nullcontext():
                 fill_logprobs(ref_model, buf, "ref_logp", all_mbs, cfg)
+    # 5. the entropy bonus's weights: a token mean over each mini-batch's tokens with policy loss
+    if cfg.entropy_coef > 0:
+        carry = loss_mask * buf["entropy_mask"] if want_entropy else loss_mask
+        buf["entropy_weights"] = loss_weights(carry, "bnpo", cfg.max_completion_len, K)
     return steps, frac_zero_std

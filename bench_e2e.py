@@ -122,7 +122,8 @@ FEATURES = {  # each on the Qwen2.5 4-layer model, 1024 tokens (the compiled dec
     "beta": ["--beta=0.04"], "spg2": ["--steps_per_generation=2", "--num_iterations=2"],
     "dynamic": ["--dynamic_sampling=True", "--max_sampling_tries=2", "--reward="],  # task reward: all groups flat
     "gspo": ["--importance_sampling_level=sequence"],
-    "entropy": ["--top_entropy_quantile=0.2"], "no-kv-reuse": ["--kv_reuse=False"],
+    "entropy": ["--top_entropy_quantile=0.2"], "entropy-bonus": ["--entropy_coef=0.01"],
+    "no-kv-reuse": ["--kv_reuse=False"],
     "naive": ["--logprob_impl=naive", "--micro_batch_tokens=8192"],  # (its fp32 logits: 32768 tokens need 77 GiB)
     "chunked": ["--logprob_impl=chunked"], "is-correction": ["--vllm_importance_sampling_correction=True"],
     "fp32": ["--dtype=float32"], "cispo": ["--loss_type=cispo", "--epsilon_high=5.0"],

@@ -59,6 +59,7 @@ scale_rewards = "group"  # the advantage over the std of its group | batch | non
 mask_truncated_completions = False  # completions cut at max_completion_len carry no loss
 delta = 0.0  # INTELLECT-2's two-sided clip: the ratio capped at delta (0 = off; > 1 + epsilon_high)
 off_policy_mask_threshold = 0.0  # rows with A < 0 and a mean KL from the sampler over it: no loss
+entropy_coef = 0.0  # the entropy bonus: the loss minus entropy_coef x the mean entropy (0 = off)
 sapo_temperature_pos = 1.0  # sapo's soft clip: the gate's slope for tokens with advantage > 0
 sapo_temperature_neg = 1.05  # ... and for the others
 vespo_k_pos = 2.0  # vespo's weight w^k e^(lambda (1 - w)) of a sequence ratio w, advantage >= 0
@@ -147,7 +148,7 @@ POSITIVE = ("lr", "temperature", "vllm_importance_sampling_clip_max", "eval_temp
 RANGES = {  # key: (is the value valid?, the valid range as an error states it)
     **{k: (lambda v: finite(v) and v > 0, "finite and > 0") for k in POSITIVE},
     **{k: (lambda v: finite(v) and v >= 0, "finite and >= 0")
-       for k in ("weight_decay", "epsilon_high", "overlong_penalty_factor", "delta",
+       for k in ("weight_decay", "epsilon_high", "overlong_penalty_factor", "delta", "entropy_coef",
                  "off_policy_mask_threshold", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                  "vespo_lambda_neg")},
     "grad_clip": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no clipping)"),

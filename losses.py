@@ -7,9 +7,10 @@ the batch and calls them. A new loss_type is a branch in policy_loss and one in 
     A_i    = (r_i - mean(group)) / std           group_advantages
     l_t    = policy_loss(logp_t, old_t, A_i)     per token, one of the menu below
     loss   = sum_t l_t w_t                       w = loss_weights: TRL's normalizer, split-free
-Left out (not built yet): TRL's entropy bonus (`entropy_coef`). The k3 KL (in
-batching.micro_batch_loss) keeps the plain estimator's gradient, without TRL's ratio factor
-(`use_bias_correction_kl`): README's table says why.
+batching.micro_batch_loss adds the k3 KL and the entropy bonus (entropy_coef x the mean entropy of
+the tokens with policy loss: loss_weights' bnpo weights over them). Left out: TRL's adaptive
+entropy coefficient (`use_adaptive_entropy`: state across steps) and the KL's ratio factor
+(`use_bias_correction_kl`; README's table says why).
 """
 import math
 

@@ -1217,6 +1217,7 @@ _LOSS_VARIANTS = [dict(loss_type=t, epsilon_high=1.1 if t == "cispo" else 0.28) 
     dict(loss_type="luspo", importance_sampling_level="sequence"),
     dict(loss_type="vespo", vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_mask"),
     dict(loss_type="dapo", delta=1.5, off_policy_mask_threshold=2.7),  # (drops 3 of the 5 negative rows)
+    dict(loss_type="grpo", entropy_coef=0.3, top_entropy_quantile=0.5),
     dict(loss_type="grpo", importance_sampling_level="sequence"),
     dict(loss_type="dapo", importance_sampling_level="sequence"),
     dict(loss_type="cispo", epsilon_high=1.1, importance_sampling_level="sequence"),
@@ -1594,7 +1595,8 @@ def _policy_cfg(**kw):
     return SimpleNamespace(**{"loss_type": "dapo", "importance_sampling_level": "token", "epsilon": 0.2,
                               "epsilon_high": 0.28, "sapo_temperature_pos": 1.3, "sapo_temperature_neg": 0.8,
                               "vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5, "vespo_k_neg": 2.5,
-                              "vespo_lambda_neg": 1.5, "delta": 0.0, "off_policy_mask_threshold": 0.0, **kw})
+                              "vespo_lambda_neg": 1.5, "delta": 0.0, "off_policy_mask_threshold": 0.0,
+                              "entropy_coef": 0.0, **kw})
 
 
 def _hand_batch():
@@ -1754,7 +1756,7 @@ def test_batching_loss_matches_trl_compute_loss():
     old = base + 0.4 * torch.randn(R, C)
     ent = torch.rand(R, C) * 2
     adv = torch.tensor([1.0, -0.5, 2.0, -1.5])
-    acc = SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x,
+    acc = SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x, sync_gradients=True,
                           pad_across_processes=lambda x, dim, pad_index: x, gather_for_metrics=lambda x: x)
     keep = mask.bool()
     sampler = old[keep] + 0.5 * torch.randn(int(mask.sum()))  # the sampler's log-probs, off the trainer's
@@ -1766,18 +1768,20 @@ def test_batching_loss_matches_trl_compute_loss():
     kl = ((torch.zeros(R, C).masked_scatter(keep, sampler) - base) * mask).sum(1) / mask.sum(1)  # (R,)
     opsm = kl[[1, 3]].mean().item()  # between the negative rows' mean KLs: one is dropped, one kept
     assert (kl[1] - opsm) * (kl[3] - opsm) < 0, kl
-    cases = [(lv, q, False, 0.0, 0.0) for lv in ("token", "sequence") for q in (1.0, 0.3)] + [
-        ("token", 1.0, True, 0.0, 0.0), ("sequence", 0.3, True, 0.0, 0.0), ("token", 1.0, False, 1.1, 0.0),
-        ("token", 1.0, False, 0.0, opsm), ("sequence", 1.0, True, 1.1, opsm),
-        ("token", 1.0, False, 0.0, kl.max().item() + 0.1)]  # (on, over every row's KL: all kept)
+    cases = [(lv, q, False, 0.0, 0.0, 0.0) for lv in ("token", "sequence") for q in (1.0, 0.3)] + [
+        ("token", 1.0, True, 0.0, 0.0, 0.0), ("sequence", 0.3, True, 0.0, 0.0, 0.0),
+        ("token", 1.0, False, 1.1, 0.0, 0.0), ("token", 1.0, False, 0.0, opsm, 0.0),
+        ("sequence", 1.0, True, 1.1, opsm, 0.0),
+        ("token", 1.0, False, 0.0, kl.max().item() + 0.1, 0.0),  # (on, over every row's KL: all kept)
+        ("token", 1.0, False, 0.0, 0.0, 0.7), ("sequence", 0.3, True, 0.0, 0.0, 0.7)]  # the entropy bonus
     for loss_type in config.CHOICES["loss_type"]:
-        for level, q, corr, delta, threshold in cases:
+        for level, q, corr, delta, threshold, coef in cases:
             eps_high = 1.3 if loss_type == "cispo" else 0.28
             cfg = _policy_cfg(loss_type=loss_type, importance_sampling_level=level, epsilon_high=eps_high,
                               delta=delta, off_policy_mask_threshold=threshold)
-            trl_logp = base.clone().requires_grad_(True)
+            trl_logp, trl_ent = base.clone().requires_grad_(True), ent.clone().requires_grad_(True)
             me = SimpleNamespace(
-                _get_per_token_logps_and_entropies=lambda *a, **k: (trl_logp, ent, None),
+                _get_per_token_logps_and_entropies=lambda *a, **k: (trl_logp, trl_ent, None),
                 top_entropy_quantile=q, off_policy_mask_threshold=threshold or None, importance_sampling_level=level,
                 beta=0.0, loss_type=loss_type, epsilon_low=0.2, epsilon_high=eps_high, use_vllm=corr,
                 vllm_importance_sampling_correction=corr, get_gamma_weights=gamma_weights,
@@ -1786,8 +1790,8 @@ def test_batching_loss_matches_trl_compute_loss():
                     "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
                     "vespo_k_neg", "vespo_lambda_neg")}),
                 model=SimpleNamespace(training=True),
-                current_gradient_accumulation_steps=1, accelerator=acc, _entropy_bonus_enabled=False,
-                aux_loss_enabled=False, max_completion_length=L,
+                current_gradient_accumulation_steps=1, accelerator=acc, _entropy_bonus_enabled=coef > 0,
+                entropy_coef=coef, use_adaptive_entropy=False, aux_loss_enabled=False, max_completion_length=L,
                 _metrics=collections.defaultdict(lambda: collections.defaultdict(list)))
             me.get_high_entropy_mask = lambda *a: high_entropy_mask(me, *a)
             inputs = dict(prompt_ids=torch.zeros(R, 1, dtype=torch.long), prompt_mask=torch.ones(R, 1),
@@ -1798,21 +1802,28 @@ def test_batching_loss_matches_trl_compute_loss():
                 inputs["importance_sampling_ratio"] = is_dense
             want = compute_loss(me, None, inputs)
             want.backward()
-            logp = base.clone().requires_grad_(True)
+            logp, our_ent = base.clone().requires_grad_(True), ent.clone().requires_grad_(True)
             em = losses.entropy_mask(ent, mask, q)[keep].float() if q < 1 else None
             l, _ = losses.policy_loss(logp[keep], old[keep], adv[:, None].expand_as(keep)[keep], keep, cfg, em,
                                       is_w if corr else None, sampler)
             got = (l * losses.loss_weights(mask, loss_type, L)[keep]).sum()
+            if coef:  # as batching: the mean over the tokens with policy loss, by bnpo's weights
+                carry = mask * losses.entropy_mask(ent, mask, q) if q < 1 else mask
+                got = got - coef * (our_ent * losses.loss_weights(carry, "bnpo", L)).sum()
             got.backward()
-            name = f"{loss_type} {level} q={q} correction={corr} delta={delta} opsm={threshold}"
+            name = f"{loss_type} {level} q={q} correction={corr} delta={delta} opsm={threshold} bonus={coef}"
             assert abs(got.item() - want.item()) < 1e-6 * max(1, abs(want.item())), (name, got, want)
             assert_close(logp.grad * mask, trl_logp.grad * mask, 1e-6, name)
             assert logp.grad.norm() > 0, name
+            if coef:
+                assert_close(our_ent.grad, trl_ent.grad, 1e-6, name)
+                assert our_ent.grad.norm() > 0, name
         # steps_per_generation=2: TRL's loss on each half (one optimizer step, num_items_in_batch still the whole
         # generation batch's tokens) == ours with the per-mini-batch weights
         me.loss_type, me.top_entropy_quantile, me.args.steps_per_generation = loss_type, 1.0, 2
         me.importance_sampling_level, me.use_vllm, me.vllm_importance_sampling_correction = "token", False, False
         me.args.delta = me.off_policy_mask_threshold = None
+        me._entropy_bonus_enabled = False
         inputs.pop("importance_sampling_ratio", None)
         w2 = losses.loss_weights(mask, loss_type, L, steps_per_generation=2)
         for rows in (slice(0, 2), slice(2, 4)):
@@ -1826,6 +1837,36 @@ def test_batching_loss_matches_trl_compute_loss():
                                       _policy_cfg(loss_type=loss_type, epsilon_high=me.epsilon_high))
             got = (l * w2[rows][k2]).sum()
             assert abs(got.item() - want.item()) < 1e-6 * max(1, abs(want.item())), (loss_type, "K=2", got, want)
+
+
+@check
+def test_batching_entropy_bonus_is_minus_coef_times_the_mean_entropy():
+    """entropy_coef > 0: micro_batch_loss's loss is the loss without it minus entropy_coef x the mean entropy over
+    the tokens that carry the policy loss (entropy_weights: the mini-batch's token mean, the entropy mask applied),
+    and its gradient, through the entropies, changes the model's"""
+    import batching
+    model, buf0, rewards = _tiny_buffer()
+    runs = {}
+    for coef in (0.0, 0.5):
+        cfg = _trainer_cfg(entropy_coef=coef, top_entropy_quantile=0.5, max_completion_len=6)
+        buf = dict(buf0)
+        batching.prepare_buffer(model, None, buf, rewards, cfg)
+        mb = batching.slice_groups(buf, 0, 3)
+        model.zero_grad()
+        loss, _ = batching.micro_batch_loss(model, mb, cfg)
+        loss.backward()
+        runs[coef] = loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()]), buf, mb
+    assert "entropy_weights" not in runs[0.0][2]
+    buf, mb = runs[0.5][2], runs[0.5][3]
+    carry = (buf["loss_weights"] > 0) & buf["entropy_mask"]
+    assert ((buf["entropy_weights"] > 0) == carry).all() and 0.3 < carry.sum() / (buf["loss_weights"] > 0).sum() < 0.7
+    assert abs(buf["entropy_weights"].sum().item() - 1) < 1e-6
+    keep = mb["loss_weights"] > 0
+    with torch.no_grad():
+        _, ent = batching.completion_logprobs(model, mb, keep, cfg.temperature, cfg.logprob_impl, cfg.kv_reuse, True)
+    want = runs[0.0][0] - 0.5 * (ent.float() * mb["entropy_weights"][keep]).sum()
+    assert abs(runs[0.5][0].item() - want.item()) < 1e-5, (runs[0.5][0], want)
+    assert (runs[0.5][1] - runs[0.0][1]).norm() > 1e-3 * runs[0.0][1].norm()
 
 
 @check
