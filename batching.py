@@ -19,7 +19,7 @@ from dist import distributed, fsdp_modules, global_stats, global_sum, stat_op
 from kv_reuse import compiled_pieces, completion_hidden, micro_batches, split_runs, token_slots
 from logprobs import token_logprobs
 from losses import (clipped, entropy_mask, group_advantages, loss_weights, policy_loss,
-                    sampling_correction)
+                    sampling_correction, vespo_weights)
 from rollout import COMPILE_MIN_TOKENS, LAST, eos_tensor, generate_in_waves
 
 # per-completion entries of the buffer: (B*G, C) token tensors or (B*G,) row tensors
@@ -240,6 +240,8 @@ def micro_batch_loss(model, mb, cfg):
         stats["entropy_mask_frac"] = (ent_mask * w).sum()
     stats["ratio_mean"] = (ratio.detach() * w).sum()
     stats["ratio_dev_max"] = (ratio.detach() - 1).abs().max()  # exactly 0 when on-policy
+    if cfg.loss_type == "vespo":  # its weight, as TRL's vespo/phi_seq_mean (here by loss weight)
+        stats["vespo_phi"] = (vespo_weights(logp.detach() - old, adv, keep, cfg, is_w) * w).sum()
     return loss, stats
 
 

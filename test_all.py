@@ -1843,7 +1843,7 @@ def test_batching_loss_matches_trl_compute_loss():
 def test_batching_entropy_bonus_is_minus_coef_times_the_mean_entropy():
     """entropy_coef > 0: micro_batch_loss's loss is the loss without it minus entropy_coef x the mean entropy over
     the tokens that carry the policy loss (entropy_weights: the mini-batch's token mean, the entropy mask applied),
-    and its gradient, through the entropies, changes the model's"""
+    and its gradient, through the entropies, changes the model's; vespo logs its weight"""
     import batching
     model, buf0, rewards = _tiny_buffer()
     runs = {}
@@ -1867,6 +1867,14 @@ def test_batching_entropy_bonus_is_minus_coef_times_the_mean_entropy():
     want = runs[0.0][0] - 0.5 * (ent.float() * mb["entropy_weights"][keep]).sum()
     assert abs(runs[0.5][0].item() - want.item()) < 1e-5, (runs[0.5][0], want)
     assert (runs[0.5][1] - runs[0.0][1]).norm() > 1e-3 * runs[0.0][1].norm()
+    # vespo logs its weight (TRL's vespo/phi_seq_mean): 1 on-policy, where every sequence ratio is 1
+    cfg = _trainer_cfg(loss_type="vespo", max_completion_len=6)
+    buf = dict(buf0)
+    batching.prepare_buffer(model, None, buf, rewards, cfg)
+    mb = batching.slice_groups(buf, 0, 3)
+    _, stats = batching.micro_batch_loss(model, mb, cfg)
+    w = mb["loss_weights"].sum()
+    assert abs(stats["vespo_phi"].item() - w.item()) < 1e-6 * w.item(), (stats["vespo_phi"], w)
 
 
 @check
