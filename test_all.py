@@ -1733,7 +1733,9 @@ def _trl_compute_loss():
                             and ast.unparse(d) != "staticmethod"]
     ns = {"torch": torch, "math": math, "nanmin": lambda x: x.min(), "nanmax": lambda x: x.max()}
     exec(compile(ast.Module(body=fns, type_ignores=[]), path, "exec"), ns)  # noqa: S102 - TRL's own source
-    return tuple(ns[n] for n in names)
+    src = ast.unparse(next(f for f in fns if f.name == "_compute_loss"))
+    trl_types = [t for t in config.CHOICES["loss_type"] if f"'{t}'" in src]  # (ours may add some of our own)
+    return tuple(ns[n] for n in names) + (trl_types,)
 
 
 @check
@@ -1748,7 +1750,8 @@ def test_batching_loss_matches_trl_compute_loss():
     fns = _trl_compute_loss()
     if fns is None:
         raise Skip("trl not installed (pip install trl==1.16.0)")
-    compute_loss, high_entropy_mask, gamma_weights, off_policy_mask = fns
+    compute_loss, high_entropy_mask, gamma_weights, off_policy_mask, trl_types = fns
+    assert len(trl_types) >= 8, trl_types  # grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo
     torch.manual_seed(0)
     R, C, L = 4, 5, 6
     mask = (torch.arange(C) < torch.tensor([5, 2, 3, 1])[:, None]).long()  # (R, C)
@@ -1774,7 +1777,7 @@ def test_batching_loss_matches_trl_compute_loss():
         ("sequence", 1.0, True, 1.1, opsm, 0.0),
         ("token", 1.0, False, 0.0, kl.max().item() + 0.1, 0.0),  # (on, over every row's KL: all kept)
         ("token", 1.0, False, 0.0, 0.0, 0.7), ("sequence", 0.3, True, 0.0, 0.0, 0.7)]  # the entropy bonus
-    for loss_type in config.CHOICES["loss_type"]:
+    for loss_type in trl_types:
         for level, q, corr, delta, threshold, coef in cases:
             eps_high = 1.3 if loss_type == "cispo" else 0.28
             cfg = _policy_cfg(loss_type=loss_type, importance_sampling_level=level, epsilon_high=eps_high,
