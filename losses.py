@@ -2,8 +2,9 @@
 The GRPO objective, as TRL 1.16's GRPOTrainer computes it: advantages, the per-token policy loss
 of each loss_type, the weights that aggregate it, the entropy mask and the sampler correction.
 These are functions of log-probs, advantages and masks only: batching.py runs the model, splits
-the batch and calls them. A new loss_type is a branch in policy_loss and one in loss_weights
-(config.CHOICES names it; test_all compares every one with TRL's own _compute_loss).
+the batch and calls them. A new loss_type is a branch in policy_loss, one in loss_weights and,
+if it clips, one in clipped (config.CHOICES names it; test_all compares every one TRL has with
+TRL's own _compute_loss; one TRL lacks needs hand numbers in its hand-computed test).
     A_i    = (r_i - mean(group)) / std           group_advantages
     l_t    = policy_loss(logp_t, old_t, A_i)     per token, one of the menu below
     loss   = sum_t l_t w_t                       w = loss_weights: TRL's normalizer, split-free
@@ -17,6 +18,8 @@ import math
 import torch
 
 from dist import all_ranks, distributed, global_sum
+
+CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped ratio (policy_loss)
 
 
 def group_advantages(rewards, group_size, scale_rewards="group"):
@@ -63,8 +66,7 @@ def loss_weights(completion_mask, loss_type, max_completion_len, steps_per_gener
         n_seq = global_sum(torch.tensor(float(mk.shape[1]), device=m.device))
         w = mk / (n_seq * max_completion_len)
     else:
-        raise ValueError(f"loss_type={loss_type!r}: use grpo, bnpo, dr_grpo, dapo, cispo, sapo, "
-                         f"luspo or vespo")
+        raise ValueError(f"loss_type={loss_type!r} has no normalizer in losses.loss_weights")
     return w.reshape(m.shape)
 
 
@@ -83,6 +85,8 @@ def policy_loss(logp, old, adv, keep, cfg, ent_mask=None, is_w=None, sampler=Non
                          as r_t leaves 1; tau = sapo_temperature_pos if A > 0, else _neg)
         vespo:           l_t = -sg(phi_i) A logp_t   (vespo_weights: a smooth weight of the row's
                          ratio in place of a clip)
+    The knobs each reads: epsilon, epsilon_high and delta the clip losses (cispo: epsilon_high is
+    its cap); importance_sampling_level every type but vespo (its weight takes the row's product).
     ent_mask (N,): 1 for the tokens that carry the policy loss (top_entropy_quantile), else 0.
     is_w (N,): the sampler correction (sampling_correction): it scales the loss (vespo: in phi).
     sampler (N,): the sampler's log-probs, for off_policy_mask_threshold > 0 (None: old's)."""
@@ -97,10 +101,12 @@ def policy_loss(logp, old, adv, keep, cfg, ent_mask=None, is_w=None, sampler=Non
         per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
     elif cfg.loss_type == "vespo":
         per_token = -vespo_weights(logp.detach() - old, adv, keep, cfg, is_w) * adv * logp
-    else:
+    elif cfg.loss_type in CLIP_LOSSES:
         bounded = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
         capped = torch.clamp(ratio, max=cfg.delta) if cfg.delta > 0 else ratio
         per_token = -torch.min(capped * adv, bounded * adv)
+    else:
+        raise ValueError(f"loss_type={cfg.loss_type!r} has no per-token loss in losses.policy_loss")
     if cfg.off_policy_mask_threshold > 0:
         behind = old if sampler is None else sampler
         per_token = per_token * off_policy_mask(logp.detach(), behind, adv, keep,
@@ -149,9 +155,10 @@ def clipped(ratio, adv, cfg):
     constant: no gradient); cispo: the tokens whose weight was capped"""
     if cfg.loss_type == "cispo":  # the weight was capped (TRL's cispo_clip_ratio); no lower clip
         return torch.zeros_like(ratio, dtype=torch.bool), (ratio > cfg.epsilon_high) & (adv > 0)
-    if cfg.loss_type in ("sapo", "vespo"):  # soft weights: nothing is clipped
-        return torch.zeros_like(ratio, dtype=torch.bool), torch.zeros_like(ratio, dtype=torch.bool)
-    return (ratio < 1 - cfg.epsilon) & (adv < 0), (ratio > 1 + cfg.epsilon_high) & (adv > 0)
+    if cfg.loss_type in CLIP_LOSSES:
+        return (ratio < 1 - cfg.epsilon) & (adv < 0), (ratio > 1 + cfg.epsilon_high) & (adv > 0)
+    nothing = torch.zeros_like(ratio, dtype=torch.bool)  # sapo, vespo: soft weights, no clip
+    return nothing, nothing
 
 
 def sampling_correction(old, sampler, keep, cfg):

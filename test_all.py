@@ -1213,7 +1213,7 @@ def _trainer_cfg(**kw):
 
 # every loss variant the split test runs (each with num_iterations=2, beta=0.1 and off-policy old log-probs)
 _LOSS_VARIANTS = [dict(loss_type=t, epsilon_high=1.1 if t == "cispo" else 0.28) for t in
-                  ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")] + [
+                  config.CHOICES["loss_type"]] + [
     dict(loss_type="luspo", importance_sampling_level="sequence"),
     dict(loss_type="vespo", vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_mask"),
     dict(loss_type="dapo", delta=1.5, off_policy_mask_threshold=2.7),  # (drops 3 of the 5 negative rows)
@@ -1957,7 +1957,10 @@ def test_batching_loss_type_weights_match_trl():
     for loss_type, v in want.items():
         got = (l * losses.loss_weights(mask, loss_type, max_completion_len=8)).sum().item()
         assert abs(got - v) < 1e-6, (loss_type, got, v)
-    assert_raises(ValueError, lambda: losses.loss_weights(mask, "ppo", 8), "loss_type")
+    assert_raises(ValueError, lambda: losses.loss_weights(mask, "ppo", 8), "no normalizer")
+    keep, logp = mask.bool(), -torch.rand(6)  # a type named in CHOICES but not built fails, not PPO's clip instead
+    assert_raises(ValueError, lambda: losses.policy_loss(logp, logp, logp, keep, _policy_cfg(loss_type="ppo")),
+                  "no per-token loss")
     adv, frac = losses.group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, "none")
     assert adv.tolist() == [0.5, -0.5, 0.0, 0.0] and frac == 0.5
 
