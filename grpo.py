@@ -346,7 +346,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         del state
         # the log up to step; later steps are redone
         records = checkpoint.read_log(trainer.log_path, step) if r == 0 else []
-        print(f"resumed from {ckpt} at step {step}")
+        print(f"resumed from {ckpt} at step {step}, {time.time() - t_start:.1f} s after the start")
     else:
         with gathered(policy):
             ev = evaluate(policy, tokenizer, eval_set, trainer.reward_fn, cfg, dev)
@@ -371,7 +371,14 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         records.append(rec)
         pbar.set_postfix(reward=f"{rec['reward_mean']:.3f}", acc=f"{rec['accuracy']:.2f}")
         if (cfg.save_every > 0 and step % cfg.save_every == 0) or last:
+            t_save = time.time()
             checkpoint.save_checkpoint(cfg, policy, master, tokenizer, optimizer, step)
+            if r == 0:  # what a save costs, to choose save_every by
+                ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
+                files = [os.path.join(d, f) for d, _, fs in os.walk(ckpt_dir) for f in fs]
+                gib = sum(map(os.path.getsize, files)) / 2**30
+                tqdm.write(f"saved {ckpt_dir} (step {step}, {gib:.2f} GiB) in "
+                           f"{time.time() - t_save:.1f} s")
         if out_of_time:
             tqdm.write(f"max_minutes={cfg.max_minutes} reached after step {step}")
             break

@@ -2073,6 +2073,9 @@ def test_grpo_cli_two_steps_log_checkpoint_and_resume():
         assert 0 <= r["sampling_logp_diff"] <= r["sampling_logp_diff_max"] < 1e-3, r
     for f in ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt"):
         assert os.path.exists(os.path.join(out, "ckpt", f)), f"missing ckpt/{f}"
+    saved = re.search(r"saved (\S+) \(step 2, ([\d.]+) GiB\) in ([\d.]+) s", p.stdout)  # the last step's save
+    ckpt_gib = sum(os.path.getsize(os.path.join(out, "ckpt", f)) for f in os.listdir(os.path.join(out, "ckpt"))) / 2**30
+    assert saved and saved[1] == os.path.join(out, "ckpt") and abs(float(saved[2]) - ckpt_gib) < 0.01, p.stdout[-800:]
     make_prompts, reward_fn, eval_set = grpo.load_task("arithmetic", 1, 100, "")  # (the default held-out set)
     for r in (recs[0], recs[2]):  # the evals' first greedy completions, each scored as the accuracy counts it
         got = r["eval_samples"]
@@ -3610,6 +3613,16 @@ def test_grpo_out_dir_never_overwritten_and_locked():
 # ----------------------------------------------------------------------------------------------------------------
 
 if __name__ == "__main__":
+    # every check's files under one directory, removed at the end: tempfile's here and, through TMPDIR, those of the
+    # processes the checks start (grpo.py, torchrun, spawn); inductor's cache stays where it was, shared across runs
+    import atexit
+    import getpass
+    import shutil
+    import tempfile
+    inductor_cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache)
+    os.environ["TMPDIR"] = tempfile.tempdir = tempfile.mkdtemp(prefix="nanogrpo_test_")
+    atexit.register(shutil.rmtree, tempfile.tempdir, ignore_errors=True)
     words = sys.argv[1:]
     todo = [fn for fn in CHECKS if not words or any(w in fn.__name__ for w in words)]
     print(f"device={DEVICE} torch={torch.__version__} TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
