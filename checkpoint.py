@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import zipfile
 
 import torch
@@ -127,7 +128,9 @@ def recover_checkpoint(out_dir):
 
 def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
     """Every rank calls it (its RNG state goes in). Rank 0 writes the HF directory to ckpt.tmp (and
-    every rank its FSDP2 optimizer shard), then trainer_state.pt, and swaps ckpt.tmp in as ckpt."""
+    every rank its FSDP2 optimizer shard), then trainer_state.pt, and swaps ckpt.tmp in as ckpt.
+    -> rank 0: (ckpt, its GiB, the seconds the save took); the other ranks: None"""
+    t0 = time.time()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     rng = dict(torch=torch.get_rng_state(), python=random.getstate(), cuda=cuda_rng)
     rngs = all_ranks(rng)
@@ -165,7 +168,9 @@ def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
     path = os.path.join(tmp, "trainer_state.pt")
     torch.save(state, path + ".part")
     os.replace(path + ".part", path)  # tmp is complete from here on
-    recover_checkpoint(cfg.out_dir)  # swaps it in as ckpt, the old one out
+    final = recover_checkpoint(cfg.out_dir)  # swaps it in as ckpt, the old one out
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(final) for f in fs)
+    return final, size / 2**30, time.time() - t0
 
 
 def local_optimizer_state(optimizer):

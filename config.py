@@ -402,6 +402,25 @@ def fit_errors(cfg, n_params, world, sharded, gpu_bytes, kv_token):
             f"GPUs (torchrun --nproc_per_node=N grpo.py: FSDP2)"]
 
 
+def disk_errors(cfg, n_params, free_bytes, resuming):
+    """why this run's checkpoints cannot fit the free_bytes of out_dir's disk. Full fine-tuning
+    saves 12 bytes a parameter: the float32 weights (or masters) and AdamW's two float32 moments
+    (LoRA: the adapters alone, small). A save writes the new checkpoint beside the last and removes
+    the last once the new is complete, so two must fit where a run saves more than once (a resumed
+    run's last one is on the disk already)."""
+    need = 12 * n_params
+    copies = 1 if resuming or not 0 < cfg.save_every < cfg.max_steps else 2
+    if cfg.lora_r or copies * need <= free_bytes:
+        return []
+    also = (" or save once, at the end (--save_every=0)" if copies == 2 and need <= free_bytes
+            else "")
+    return [f"--out_dir={cfg.out_dir}: a checkpoint of {n_params / 1e9:.2f}B parameters takes "
+            f"{need / 1e9:.1f} GB (float32 weights and AdamW's two moments, 12 bytes a parameter) "
+            f"and {copies} must fit at once (a save writes the new one beside the last); the disk "
+            f"has {free_bytes / 1e9:.1f} GB free. Free space, pick an --out_dir on a larger disk"
+            f"{also}, or train LoRA adapters (--lora_r=16)"]
+
+
 def memory_plan(cfg, n_params, world, gpu_bytes, kv_token=0, mc=None):
     """the training state and one completion's K/V (kv_token bytes a token) must fit gpu_bytes;
     with mc (the model's HF config) what they leave sizes the auto knobs. --fsdp=auto takes FSDP2's

@@ -24,7 +24,7 @@ import torch
 
 import checkpoint
 import lora
-from config import default_plan, memory_plan, parse_config, resolve
+from config import default_plan, disk_errors, memory_plan, parse_config, resolve
 from dist import (all_ranks, fsdp_modules, gathered, rank, rank0_value, setup_distributed,
                   shard_model, stat_op, world_size)
 from tasks import (TASKS, check_training_pool, encode_prompts, load_task,  # noqa: F401 (TASKS)
@@ -166,25 +166,29 @@ def make_optimizer(policy, cfg, dt):
                              weight_decay=cfg.weight_decay, **fused), master
 
 
-def plan_memory(cfg, base, world, dev, dt):
+def plan_memory(cfg, base, world, dev, dt, resuming):
     """resolve gradient_checkpointing, micro_batch_tokens and fsdp ("auto" and 0) from the GPU's
-    free memory (config.memory_plan), and refuse a run whose state cannot fit, before any weight
-    loads. Rank 0's plan is every rank's."""
+    free memory (config.memory_plan), and refuse a run whose state cannot fit, or whose
+    checkpoints cannot fit out_dir's disk (config.disk_errors), before any weight loads. Rank 0's
+    plan is every rank's."""
+    import shutil
     from transformers import AutoConfig
     from batching import free_gpu_bytes
     from rollout import kv_bytes_per_token
     asked = (cfg.gradient_checkpointing, cfg.micro_batch_tokens, cfg.fsdp)
-    plan = default_plan(cfg, world)
-    if dev.type == "cuda":
-        try:
-            n_params, mc = checkpoint.parameter_count(base), AutoConfig.from_pretrained(base)
+    plan, errors = default_plan(cfg, world), []
+    try:
+        n_params = checkpoint.parameter_count(base)
+        errors = disk_errors(cfg, n_params, shutil.disk_usage(cfg.out_dir).free, resuming)
+        if dev.type == "cuda":
+            mc = AutoConfig.from_pretrained(base)
             kv_token = kv_bytes_per_token(mc, torch.finfo(dt).bits // 8)
-            errors, plan = memory_plan(cfg, n_params, world, free_gpu_bytes(dev), kv_token, mc)
-        except Exception as e:  # noqa: BLE001 - a check that cannot count must not stop a run
-            errors = []
-            print(f"(memory check skipped: {base}: {type(e).__name__}: {e})")
-        if errors:
-            raise ValueError("bad config:\n  " + "\n  ".join(errors))
+            more, plan = memory_plan(cfg, n_params, world, free_gpu_bytes(dev), kv_token, mc)
+            errors += more
+    except Exception as e:  # noqa: BLE001 - a check that cannot count must not stop a run
+        print(f"(memory and disk checks skipped: {base}: {type(e).__name__}: {e})")
+    if errors:
+        raise ValueError("bad config:\n  " + "\n  ".join(errors))
     vars(cfg).update(vars(rank0_value(plan)))  # the three keys, as rank 0 chose them
     print(f"memory: gradient_checkpointing, micro_batch_tokens, fsdp = "
           f"{(cfg.gradient_checkpointing, cfg.micro_batch_tokens, cfg.fsdp)} (asked: {asked})")
@@ -325,7 +329,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     base = rank0_value(checkpoint.resolve_model_path(cfg.model, cfg.gguf_dir) if r == 0 else None)
     tokenizer = checkpoint.load_tokenizer(ckpt or base)
     encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)  # too long?
-    plan_memory(cfg, base, world, dev, dt)
+    plan_memory(cfg, base, world, dev, dt, resuming=ckpt is not None)
     checkpoint.open_trackers(cfg, state["step"] if state else 0)  # train's finally closes them
 
     policy, ref_model = load_models(cfg, base, ckpt, dev, dt)
@@ -371,14 +375,10 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         records.append(rec)
         pbar.set_postfix(reward=f"{rec['reward_mean']:.3f}", acc=f"{rec['accuracy']:.2f}")
         if (cfg.save_every > 0 and step % cfg.save_every == 0) or last:
-            t_save = time.time()
-            checkpoint.save_checkpoint(cfg, policy, master, tokenizer, optimizer, step)
-            if r == 0:  # what a save costs, to choose save_every by
-                ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
-                files = [os.path.join(d, f) for d, _, fs in os.walk(ckpt_dir) for f in fs]
-                gib = sum(map(os.path.getsize, files)) / 2**30
-                tqdm.write(f"saved {ckpt_dir} (step {step}, {gib:.2f} GiB) in "
-                           f"{time.time() - t_save:.1f} s")
+            saved = checkpoint.save_checkpoint(cfg, policy, master, tokenizer, optimizer, step)
+            if saved:  # (rank 0) what a save costs, to choose save_every by
+                path, gib, seconds = saved
+                tqdm.write(f"saved {path} (step {step}, {gib:.2f} GiB) in {seconds:.1f} s")
         if out_of_time:
             tqdm.write(f"max_minutes={cfg.max_minutes} reached after step {step}")
             break

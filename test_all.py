@@ -2315,6 +2315,48 @@ def test_grpo_state_that_cannot_fit_is_refused_naming_lora():
 
 
 @check
+def test_grpo_checkpoints_that_cannot_fit_the_disk_are_refused():
+    """the disk check grpo.run makes before the weights load (config.disk_errors): a full fine-tuning checkpoint is 12
+    bytes a parameter, and a run that saves more than once needs two at once (the new one is written beside the last);
+    a resumed run one more (its last is on the disk), a run that saves once one, LoRA none counted. The message names
+    the sizes and the fixes. grpo refuses such a run before any model loads; the tiny model's real checkpoint holds
+    exactly 12 bytes a parameter of tensors (float32 weights, AdamW's two moments)"""
+    import shutil
+    import tempfile
+    import checkpoint
+    cfg = lambda *a: config.parse_config(["--model=/models/q7", "--max_steps=100", "--out_dir=/o", *a])  # noqa: E731
+    n = 10**9  # 12 GB a checkpoint
+    assert config.disk_errors(cfg(), n, 24e9, False) == []
+    err = config.disk_errors(cfg(), n, 23.9e9, False)
+    assert len(err) == 1 and all(w in err[0] for w in ("--out_dir=/o", "1.00B", "12.0 GB", "2 must fit", "23.9 GB free",
+                                                       "--save_every=0", "--lora_r=16")), err
+    assert "--save_every=0" not in config.disk_errors(cfg(), n, 11.9e9, False)[0]  # (one does not fit either)
+    assert config.disk_errors(cfg(), n, 12e9, True) == [] and config.disk_errors(cfg(), n, 11.9e9, True)
+    for once in ("--save_every=0", "--save_every=100", "--save_every=500"):
+        assert config.disk_errors(cfg(once), n, 12e9, False) == [] and config.disk_errors(cfg(once), n, 11.9e9, False)
+    assert config.disk_errors(cfg("--lora_r=16"), n, 0, False) == []
+    out = tempfile.mkdtemp(prefix="nanogrpo_disk_")
+    need = 12 * checkpoint.parameter_count(_tiny_model_dir())
+    usage, load, loads = shutil.disk_usage, checkpoint.load_model, []
+    try:
+        checkpoint.load_model = lambda *a: loads.append(a) or load(*a)
+        shutil.disk_usage = lambda path: SimpleNamespace(total=10 * need, used=0, free=1.5 * need)
+        res, log = _train_output(_train_args(out, 2, "--save_every=1"))
+        assert isinstance(res, ValueError) and "--save_every=0" in str(res) and not loads, (res, log[-800:])
+        res, log = _train_output(_train_args(out, 2, "--save_every=0", "--overwrite=True"))  # one fits
+        assert not isinstance(res, Exception) and loads, (res, log[-800:])
+    finally:
+        shutil.disk_usage, checkpoint.load_model = usage, load
+    from safetensors import safe_open
+    ckpt = os.path.join(out, "ckpt")
+    with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
+        weights = sum(f.get_tensor(k).nbytes for k in f.keys())
+    moments = [t for s in torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)["optimizer"]["state"]
+               .values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    assert weights + sum(t.nbytes for t in moments) == need, (weights, [t.dtype for t in moments], need)
+
+
+@check
 def test_checkpoint_empty_model_is_the_loaded_model_without_weights():
     """checkpoint.empty_model (FSDP2's ranks but 0 start from it) against load_model on a directory whose
     generation_config lists EOS ids beyond the config's: the same parameter names and shapes, all on the meta device,
