@@ -78,16 +78,10 @@ def pid_alive(pid):
 
 
 def prepare_out_dir(cfg):
-    """Under the lock: refuse to replace an earlier run unless --overwrite=True (then remove its
-    files); on resume, bring the checkpoint into a plain state and return it (else None)."""
-    earlier = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
+    """Under the lock: an earlier run is refused unless --overwrite=True (remove_earlier_run clears
+    it later) or --resume=True: -> its checkpoint, brought into a plain state (else None)."""
+    earlier = [os.path.basename(f) for f in earlier_files(cfg.out_dir)]
     if cfg.overwrite:
-        for f in earlier:
-            path = os.path.join(cfg.out_dir, f)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        if earlier:
-            print(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} in "
-                  f"{cfg.out_dir}")
         return None
     if not cfg.resume:
         if earlier:
@@ -100,6 +94,25 @@ def prepare_out_dir(cfg):
         print(f"--resume=True: no checkpoint in {cfg.out_dir} yet (killed before its first "
               f"save?): starting at step 0")
     return ckpt
+
+
+def earlier_files(out_dir):
+    """the paths of an earlier run's files in out_dir"""
+    return [os.path.join(out_dir, f) for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))]
+
+
+def remove_earlier_run(cfg):
+    """--overwrite=True: the earlier run's files, removed once the checks before loading passed"""
+    earlier = earlier_files(cfg.out_dir)
+    for path in earlier:
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        print(f"--overwrite=True: removed the earlier run's {os.path.basename(path)}")
+
+
+def tree_bytes(path):
+    """the bytes of a file, or of every file under a directory"""
+    walk = os.walk(path) if os.path.isdir(path) else [("", [], [path])]
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in walk for f in fs)
 
 
 def recover_checkpoint(out_dir):
@@ -129,7 +142,7 @@ def recover_checkpoint(out_dir):
 def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
     """Every rank calls it (its RNG state goes in). Rank 0 writes the HF directory to ckpt.tmp (and
     every rank its FSDP2 optimizer shard), then trainer_state.pt, and swaps ckpt.tmp in as ckpt.
-    -> rank 0: (ckpt, its GiB, the seconds the save took); the other ranks: None"""
+    -> rank 0: (ckpt, its bytes, the seconds the save took); the other ranks: None"""
     t0 = time.time()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     rng = dict(torch=torch.get_rng_state(), python=random.getstate(), cuda=cuda_rng)
@@ -169,8 +182,7 @@ def save_checkpoint(cfg, model, master, tokenizer, optimizer, step):
     torch.save(state, path + ".part")
     os.replace(path + ".part", path)  # tmp is complete from here on
     final = recover_checkpoint(cfg.out_dir)  # swaps it in as ckpt, the old one out
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(final) for f in fs)
-    return final, size / 2**30, time.time() - t0
+    return final, tree_bytes(final), time.time() - t0
 
 
 def local_optimizer_state(optimizer):

@@ -402,23 +402,34 @@ def fit_errors(cfg, n_params, world, sharded, gpu_bytes, kv_token):
             f"GPUs (torchrun --nproc_per_node=N grpo.py: FSDP2)"]
 
 
+def size_text(n):
+    """n bytes as GiB, or as MiB below one GiB"""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def disk_errors(cfg, n_params, free_bytes, resuming):
     """why this run's checkpoints cannot fit the free_bytes of out_dir's disk. Full fine-tuning
     saves 12 bytes a parameter: the float32 weights (or masters) and AdamW's two float32 moments
-    (LoRA: the adapters alone, small). A save writes the new checkpoint beside the last and removes
-    the last once the new is complete, so two must fit where a run saves more than once (a resumed
-    run's last one is on the disk already)."""
-    need = 12 * n_params
-    copies = 1 if resuming or not 0 < cfg.save_every < cfg.max_steps else 2
-    if cfg.lora_r or copies * need <= free_bytes:
+    (LoRA: the adapters alone, small, not counted). A save writes the new checkpoint beside the
+    last and removes the last once the new is complete, so a run that saves more than once needs
+    room for two (a resumed run for one beside its last). 2% spare: tokenizer, log, plot."""
+    one = 12 * n_params
+    two = not resuming and 0 < cfg.save_every < cfg.max_steps
+    if cfg.lora_r or 1.02 * one * (1 + two) <= free_bytes:
         return []
-    also = (" or save once, at the end (--save_every=0)" if copies == 2 and need <= free_bytes
-            else "")
-    return [f"--out_dir={cfg.out_dir}: a checkpoint of {n_params / 1e9:.2f}B parameters takes "
-            f"{need / 1e9:.1f} GB (float32 weights and AdamW's two moments, 12 bytes a parameter) "
-            f"and {copies} must fit at once (a save writes the new one beside the last); the disk "
-            f"has {free_bytes / 1e9:.1f} GB free. Free space, pick an --out_dir on a larger disk"
-            f"{also}, or train LoRA adapters (--lora_r=16)"]
+    what = (f"--out_dir={cfg.out_dir}: a checkpoint of {n_params:,} parameters takes "
+            f"{size_text(one)} (float32 weights and AdamW's two moments, 12 bytes a parameter)")
+    have = f"the disk has {size_text(free_bytes)} free"
+    if resuming:
+        return [f"{what}, and the next save is written beside the last one; {have}. Free space "
+                f"on that disk"]
+    if not two:
+        return [f"{what}; {have}. Free space, pick an --out_dir on a larger disk, or train LoRA "
+                f"adapters (--lora_r=16)"]
+    once = ", save once, at the end (--save_every=0)" if 1.02 * one <= free_bytes else ""
+    return [f"{what}, and a run that saves more than once needs room for two (the new one is "
+            f"written beside the last); {have}. Free space, pick an --out_dir on a larger disk"
+            f"{once}, or train LoRA adapters (--lora_r=16)"]
 
 
 def memory_plan(cfg, n_params, world, gpu_bytes, kv_token=0, mc=None):

@@ -24,7 +24,7 @@ import torch
 
 import checkpoint
 import lora
-from config import default_plan, disk_errors, memory_plan, parse_config, resolve
+from config import default_plan, disk_errors, memory_plan, parse_config, resolve, size_text
 from dist import (all_ranks, fsdp_modules, gathered, rank, rank0_value, setup_distributed,
                   shard_model, stat_op, world_size)
 from tasks import (TASKS, check_training_pool, encode_prompts, load_task,  # noqa: F401 (TASKS)
@@ -170,23 +170,27 @@ def plan_memory(cfg, base, world, dev, dt, resuming):
     """resolve gradient_checkpointing, micro_batch_tokens and fsdp ("auto" and 0) from the GPU's
     free memory (config.memory_plan), and refuse a run whose state cannot fit, or whose
     checkpoints cannot fit out_dir's disk (config.disk_errors), before any weight loads. Rank 0's
-    plan is every rank's."""
+    disk check and plan are every rank's (rank 0 writes the HF directory, the others their shards
+    beside it)."""
     import shutil
     from transformers import AutoConfig
     from batching import free_gpu_bytes
     from rollout import kv_bytes_per_token
     asked = (cfg.gradient_checkpointing, cfg.micro_batch_tokens, cfg.fsdp)
-    plan, errors = default_plan(cfg, world), []
+    plan, errors, disk = default_plan(cfg, world), [], []
     try:
         n_params = checkpoint.parameter_count(base)
-        errors = disk_errors(cfg, n_params, shutil.disk_usage(cfg.out_dir).free, resuming)
+        if rank() == 0:  # the free bytes, and those the earlier run's files (--overwrite) free
+            earlier = checkpoint.earlier_files(cfg.out_dir) if cfg.overwrite else []
+            free = shutil.disk_usage(cfg.out_dir).free + sum(map(checkpoint.tree_bytes, earlier))
+            disk = disk_errors(cfg, n_params, free, resuming)
         if dev.type == "cuda":
             mc = AutoConfig.from_pretrained(base)
             kv_token = kv_bytes_per_token(mc, torch.finfo(dt).bits // 8)
-            more, plan = memory_plan(cfg, n_params, world, free_gpu_bytes(dev), kv_token, mc)
-            errors += more
+            errors, plan = memory_plan(cfg, n_params, world, free_gpu_bytes(dev), kv_token, mc)
     except Exception as e:  # noqa: BLE001 - a check that cannot count must not stop a run
         print(f"(memory and disk checks skipped: {base}: {type(e).__name__}: {e})")
+    errors += rank0_value(disk)  # (so no rank refuses alone)
     if errors:
         raise ValueError("bad config:\n  " + "\n  ".join(errors))
     vars(cfg).update(vars(rank0_value(plan)))  # the three keys, as rank 0 chose them
@@ -330,6 +334,8 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     tokenizer = checkpoint.load_tokenizer(ckpt or base)
     encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)  # too long?
     plan_memory(cfg, base, world, dev, dt, resuming=ckpt is not None)
+    if r == 0 and cfg.overwrite:  # (only now: a run refused above keeps the earlier one)
+        checkpoint.remove_earlier_run(cfg)
     checkpoint.open_trackers(cfg, state["step"] if state else 0)  # train's finally closes them
 
     policy, ref_model = load_models(cfg, base, ckpt, dev, dt)
@@ -377,8 +383,8 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         if (cfg.save_every > 0 and step % cfg.save_every == 0) or last:
             saved = checkpoint.save_checkpoint(cfg, policy, master, tokenizer, optimizer, step)
             if saved:  # (rank 0) what a save costs, to choose save_every by
-                path, gib, seconds = saved
-                tqdm.write(f"saved {path} (step {step}, {gib:.2f} GiB) in {seconds:.1f} s")
+                path, size, seconds = saved
+                tqdm.write(f"saved {path} (step {step}, {size_text(size)}) in {seconds:.1f} s")
         if out_of_time:
             tqdm.write(f"max_minutes={cfg.max_minutes} reached after step {step}")
             break
