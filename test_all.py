@@ -3376,12 +3376,17 @@ def test_grpo_torchrun_two_steps_logged_once():
     optimizer shards; the held-out eval, sharded over the ranks, counts every prompt (a reward that marks everything
     correct gives accuracy 1, not rank 0's half); a torchrun resume continues to step 3 and saves moved weights; a
     plain one-process resume of it and a prompts_per_step that does not split over WORLD_SIZE are refused with both
-    numbers named."""
+    numbers named. Rank 1 sees a full disk throughout (the reward file, which every rank imports first, says so):
+    rank 0's disk check is every rank's, so no rank refuses alone."""
     import json
     import tempfile
     from transformers import AutoModelForCausalLM
     out = tempfile.mkdtemp(prefix="nanogrpo_torchrun_")
-    _write(os.path.join(out, "all_correct.py"), "def reward(text, example):\n    return 1.0, True\n")
+    _write(os.path.join(out, "all_correct.py"),
+           "import collections, os, shutil\n"
+           "if os.environ.get('RANK') == '1':\n"
+           "    shutil.disk_usage = lambda path: collections.namedtuple('usage', 'total used free')(1, 1, 0)\n"
+           "def reward(text, example):\n    return 1.0, True\n")
 
     def torchrun(steps, *extra):
         p = _torchrun(2, out, steps, *extra)
