@@ -253,7 +253,7 @@ def forward_backward(model, mb, cfg, padding=False):
     # the small ops compiled where the decode compiles too: long completions on a GPU
     long_run = cfg.max_completion_len >= COMPILE_MIN_TOKENS
     compiled = cfg.compile and long_run and mb["loss_weights"].is_cuda
-    pieces = compiled_pieces(model, cfg.kv_reuse and not fsdp_modules(model)) if compiled else contextlib.nullcontext()
+    pieces = compiled_pieces(model, cfg.kv_reuse) if compiled else contextlib.nullcontext()
     with oom_names_knob(cfg, what), pieces:
         loss, stats = micro_batch_loss(model, mb, cfg)
         (loss * 0 if padding else loss).backward()
