@@ -213,16 +213,15 @@ def micro_batch_loss(model, mb, cfg):
     w = mb["loss_weights"][keep]  # (N,)
     old = mb["old_logp"][keep] if "old_logp" in mb else logp.detach()
     ent_mask = mb["entropy_mask"][keep].float() if "entropy_mask" in mb else None  # (N,)
+    sampler = mb["sampler_logp"][keep] if "sampler_logp" in mb else None  # (N,)
     stats, is_w = {}, None
-    if "sampler_logp" in mb:  # one policy, two sets of kernels (TRL's sampling_logp_difference)
-        sampler = mb["sampler_logp"][keep]
+    if sampler is not None:  # one policy, two sets of kernels (TRL's sampling_logp_difference)
         delta = (old - sampler).abs()
         stats.update(sampling_logp_diff=(delta * w).sum(), sampling_logp_diff_max=delta.max())
         if cfg.vllm_importance_sampling_correction:  # on the policy loss, before the KL, as TRL
             is_w = sampling_correction(old, sampler, keep, cfg)
             stats.update(is_ratio=(is_w * w).sum(), is_ratio_min=is_w.min(),
                          is_ratio_max=is_w.max())
-    sampler = mb["sampler_logp"][keep] if "sampler_logp" in mb else None
     per_token, ratio = policy_loss(logp, old, adv, keep, cfg, ent_mask, is_w, sampler)
     if cfg.beta > 0:
         d = mb["ref_logp"][keep] - logp

@@ -414,8 +414,9 @@ def disk_errors(cfg, n_params, free_bytes, resuming):
     last and removes the last once the new is complete, so a run that saves more than once needs
     room for two (a resumed run for one beside its last). 2% spare: tokenizer, log, plot."""
     one = 12 * n_params
+    room = 1.02 * one  # one checkpoint and the small files beside it
     two = not resuming and 0 < cfg.save_every < cfg.max_steps
-    if cfg.lora_r or 1.02 * one * (1 + two) <= free_bytes:
+    if cfg.lora_r or room * (1 + two) <= free_bytes:
         return []
     what = (f"--out_dir={cfg.out_dir}: a checkpoint of {n_params:,} parameters takes "
             f"{size_text(one)} (float32 weights and AdamW's two moments, 12 bytes a parameter)")
@@ -426,7 +427,7 @@ def disk_errors(cfg, n_params, free_bytes, resuming):
     if not two:
         return [f"{what}; {have}. Free space, pick an --out_dir on a larger disk, or train LoRA "
                 f"adapters (--lora_r=16)"]
-    once = ", save once, at the end (--save_every=0)" if 1.02 * one <= free_bytes else ""
+    once = ", save once, at the end (--save_every=0)" if room <= free_bytes else ""
     return [f"{what}, and a run that saves more than once needs room for two (the new one is "
             f"written beside the last); {have}. Free space, pick an --out_dir on a larger disk"
             f"{once}, or train LoRA adapters (--lora_r=16)"]

@@ -299,10 +299,10 @@ def compiled_pieces(model, packed=True):
     """The training pass compiled by torch.compile, set on the instances (RoPE: its module) for the
     update only. packed: every decoder layer whole (projections, RoPE, the packed attention as one
     op, the MLP, the residual adds; its pieces' compiled forwards are traced into the layer's graph)
-    and the final RMSNorm; a checkpoint's recompute replays its
-    forward's graph, as a packed row has no cache or mask to pick another variant. The padded path
-    (packed=False): the pieces only, every RMSNorm, MLP and RoPE; its layers take HF's padding
-    mask, and compiled whole around it they run slower than eager on a GPU."""
+    and the final RMSNorm; a checkpoint's recompute replays its forward's graph, as a packed row has
+    no cache or mask to pick another variant. The padded path (packed=False): the pieces only,
+    every RMSNorm, MLP and RoPE; its layers take HF's padding mask, and compiled whole around it
+    they run slower than eager on a GPU."""
     if reuse_unsupported(model):  # a model we have not checked: its update stays eager
         yield
         return

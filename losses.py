@@ -92,7 +92,7 @@ def policy_loss(logp, old, adv, keep, cfg, ent_mask=None, is_w=None, sampler=Non
     sampler (N,): the sampler's log-probs, for off_policy_mask_threshold > 0 (None: old's)."""
     log_ratio = logp - old  # (N,)
     if cfg.importance_sampling_level == "sequence":  # length-normalized
-        log_ratio = row_sum(log_ratio, keep) / keep.sum(1, keepdim=True).expand_as(keep)[keep]
+        log_ratio = row_mean(log_ratio, keep)
     ratio = torch.exp(log_ratio)
     if cfg.loss_type == "cispo":
         per_token = -torch.clamp(ratio, max=cfg.epsilon_high).detach() * adv * logp
@@ -138,8 +138,7 @@ def off_policy_mask(logp, sampler, adv, keep, threshold):
     keep tokens: 0 on every token of a row with A < 0 whose mean KL from the sampler,
         1/|y_i| sum_t (sampler_it - logp_it)   (logp: the policy's now),
     is over the threshold (a mistake the policy has moved away from teaches little), else 1"""
-    kl = (sampler - logp).nan_to_num(0.0)
-    kl = row_sum(kl, keep) / keep.sum(1, keepdim=True).expand_as(keep)[keep]
+    kl = row_mean((sampler - logp).nan_to_num(0.0), keep)
     return ((adv >= 0) | (kl <= threshold)).float()
 
 
@@ -147,6 +146,11 @@ def row_sum(x, keep):
     """x (N,) over the keep (R, C) tokens (row-major) -> (N,): each token gets its row's sum of x"""
     dense = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_scatter(keep, x)
     return dense.sum(1, keepdim=True).expand_as(keep)[keep]
+
+
+def row_mean(x, keep):
+    """x (N,) over the keep (R, C) tokens -> (N,): each token gets its row's mean of x"""
+    return row_sum(x, keep) / keep.sum(1, keepdim=True).expand_as(keep)[keep]
 
 
 def clipped(ratio, adv, cfg):
