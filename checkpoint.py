@@ -78,10 +78,10 @@ def pid_alive(pid):
 def prepare_out_dir(cfg):
     """Under the lock: an earlier run is refused unless --overwrite=True (remove_earlier_run clears
     it later) or --resume=True: -> its checkpoint, brought into a plain state (else None)."""
-    earlier = [os.path.basename(f) for f in earlier_files(cfg.out_dir)]
     if cfg.overwrite:
         return None
     if not cfg.resume:
+        earlier = [os.path.basename(f) for f in earlier_files(cfg.out_dir)]
         if earlier:
             raise ValueError(f"{cfg.out_dir} holds an earlier run ({', '.join(earlier)}): pass "
                              f"--resume=True to continue it, --overwrite=True to replace it, or "
@@ -101,8 +101,7 @@ def earlier_files(out_dir):
 
 def remove_earlier_run(cfg):
     """--overwrite=True: the earlier run's files, removed once the checks before loading passed"""
-    earlier = earlier_files(cfg.out_dir)
-    for path in earlier:
+    for path in earlier_files(cfg.out_dir):
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         print(f"--overwrite=True: removed the earlier run's {os.path.basename(path)}")
 
