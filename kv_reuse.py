@@ -309,9 +309,11 @@ def compiled_pieces(model, packed=True):
     mods = [m for m in model.model.modules() if type(m).__name__.endswith(("RMSNorm", "MLP"))]
     if packed:  # (the layers by their list: FSDP2's fully_shard renames their classes)
         mods += list(model.model.layers)
-    # the attention's module by its class's name (FSDP2's fully_shard subclasses the layers)
+    # the attention's module by its class's name (FSDP2's fully_shard subclasses the layers).
+    # packed: the layer's graph traces RoPE with the rest; a compiled RoPE set beside it (where
+    # transformers' `kernels` makes RoPE an nn.Module) would reach dynamo by two paths, an error
     module = sys.modules[type(model.model.layers[0].self_attn).__module__]
-    rope = getattr(module, "apply_rotary_pos_emb", None)
+    rope = None if packed else getattr(module, "apply_rotary_pos_emb", None)
     try:
         for m in mods:
             m.forward = compiled(type(m).forward).__get__(m)
