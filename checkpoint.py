@@ -27,8 +27,7 @@ RUN_FILES = ("log.jsonl", "log.jsonl.tmp", "curves.png", "ckpt", "ckpt.tmp", "ck
              "tensorboard", "wandb")
 # what defines a run (weights' lineage, data, held-out set, shapes): resume refuses a change
 STRUCTURAL = ("model", "task", "eval_file", "difficulty", "eval_size", "seed", "group_size",
-              "max_prompt_len", "max_completion_len", "dtype", "lora_r", "lora_alpha",
-              "lora_target_modules")
+              "max_completion_len", "dtype", "lora_r", "lora_alpha", "lora_target_modules")
 # --report_to's open writers (rank 0's): {"tensorboard": a SummaryWriter, "wandb": wandb's Run}
 TRACKERS = {}
 
@@ -49,9 +48,11 @@ def take_lock(out_dir):
             if host != me["host"]:
                 raise ValueError(f"{out_dir} is in use by pid {pid} on {host} ({path}); if that "
                                  f"run is gone, delete {path}") from None
-            if pid is not None and pid_alive(pid):
+            # (our own pid: a run killed before a restart that handed its pid to this process)
+            if pid is not None and pid != me["pid"] and pid_alive(pid):
                 raise ValueError(f"{out_dir} is in use by a live run (pid {pid}, {path}): wait "
-                                 f"for it, or pick another --out_dir") from None
+                                 f"for it, or pick another --out_dir (if no run is there, pid "
+                                 f"{pid} is another program: delete {path})") from None
             print(f"taking over {path}: the run that held it (pid {pid}) is gone")
             os.remove(path)
             continue
@@ -282,8 +283,10 @@ def check_resume(state, cfg, world, ckpt):
     def norm(k, v):  # the same local model directory, however it is written
         local_dir = k == "model" and os.path.isdir(os.path.expanduser(v))
         return os.path.realpath(os.path.expanduser(v)) if local_dir else v
+    auto = {"gradient_checkpointing": "auto", "micro_batch_tokens": 0}  # saved as plan_memory chose
     changed = {k: (saved[k], v) for k, v in vars(cfg).items() if k in saved
-               and k not in ("out_dir", "resume", "overwrite") and norm(k, saved[k]) != norm(k, v)}
+               and k not in ("out_dir", "resume", "overwrite") and norm(k, saved[k]) != norm(k, v)
+               and not (k in auto and v == auto[k])}
     bad = [f"--{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items() if k in STRUCTURAL]
     if bad:
         raise ValueError(f"--resume=True would continue the run in {cfg.out_dir} as another run: "

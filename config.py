@@ -148,10 +148,12 @@ POSITIVE = ("lr", "temperature", "vllm_importance_sampling_clip_max", "eval_temp
 RANGES = {  # key: (is the value valid?, the valid range as an error states it)
     **{k: (lambda v: finite(v) and v > 0, "finite and > 0") for k in POSITIVE},
     **{k: (lambda v: finite(v) and v >= 0, "finite and >= 0")
-       for k in ("weight_decay", "epsilon_high", "overlong_penalty_factor", "delta", "entropy_coef",
+       for k in ("weight_decay", "epsilon_high", "overlong_penalty_factor", "entropy_coef",
                  "off_policy_mask_threshold", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                  "vespo_lambda_neg")},
     "grad_clip": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no clipping)"),
+    "delta": (lambda v: v == 0 or (finite(v) and v > 1), "0 (off) or above 1 (the ratio starts "
+              "at 1: a cap at or below it leaves a positive advantage no gradient)"),
     "epsilon": (lambda v: 0 <= v <= 1, "in [0, 1] (the ratio is clipped below at 1 - epsilon)"),
     "beta": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no KL, no reference model)"),
     "top_p": (lambda v: 0 < v <= 1,

@@ -27,7 +27,7 @@ import lora
 from config import default_plan, disk_errors, memory_plan, parse_config, resolve, size_text
 from dist import (all_ranks, fsdp_modules, gathered, rank, rank0_value, setup_distributed,
                   shard_model, stat_op, world_size)
-from tasks import (TASKS, check_training_pool, encode_prompts, load_task,  # noqa: F401 (TASKS)
+from tasks import (check_prompt_lengths, check_training_pool, encode_prompts, load_task,
                    make_reward, overlong_penalty, reward_names, score, step_seed, train_prompts)
 
 
@@ -232,11 +232,9 @@ def read_model(path, sharded, dev):
     """the float32 model at path on dev; FSDP2 (sharded): rank 0 reads it to its CPU and every
     other rank builds it on the meta device (no memory), as shard_model then sends each rank its
     shards of rank 0's weights: one host process holds the whole model, not one per rank"""
-    if not sharded:
-        return checkpoint.load_model(path, dev)
-    if rank() == 0:
-        return checkpoint.load_model(path, torch.device("cpu"))
-    return checkpoint.empty_model(path)
+    if sharded and rank() > 0:
+        return checkpoint.empty_model(path)
+    return checkpoint.load_model(path, torch.device("cpu") if sharded else dev)
 
 
 # -----------------------------------------------------------------------------
@@ -288,8 +286,7 @@ def train(argv):
     cfg = parse_config(argv)
     dev, dt = resolve(cfg)  # every value checked: a bad one is refused before anything loads
     if cfg.deterministic:
-        # before the first cuBLAS call: its split reductions follow the workspace config
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS's first call
         torch.use_deterministic_algorithms(True)  # e.g. attention backward without atomics
     r, world, dev = setup_distributed(cfg, dev)  # rank 0 of 1 without torchrun
     try:
@@ -300,10 +297,9 @@ def train(argv):
                                                       cfg.eval_file)
         check_training_pool(make_prompts, step_seed(cfg.seed, 1), cfg.difficulty,
                             {q for q, _ in eval_set})
-        lock = None
         if r == 0:  # out_dir is rank 0's
             os.makedirs(cfg.out_dir, exist_ok=True)
-            lock = checkpoint.take_lock(cfg.out_dir)
+        lock = checkpoint.take_lock(cfg.out_dir) if r == 0 else None
         try:
             return run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start)
         finally:
@@ -332,7 +328,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     # the base model: rank 0 converts the GGUF once, the others wait (on resume the policy is ckpt)
     base = rank0_value(checkpoint.resolve_model_path(cfg.model, cfg.gguf_dir) if r == 0 else None)
     tokenizer = checkpoint.load_tokenizer(ckpt or base)
-    encode_prompts(tokenizer, [q for q, _ in eval_set], cfg.max_prompt_len, dev)  # too long?
+    check_prompt_lengths(tokenizer, make_prompts, eval_set, cfg.max_prompt_len)
     plan_memory(cfg, base, world, dev, dt, resuming=ckpt is not None)
     if r == 0 and cfg.overwrite:  # (only now: a run refused above keeps the earlier one)
         checkpoint.remove_earlier_run(cfg)
@@ -402,8 +398,9 @@ def train_step(trainer, step):
     """one step: 1. sample and score, 2. update -> the step's log record"""
     from batching import prepare_buffer, update_step
     cfg, policy = trainer.cfg, trainer.policy
-    for g in trainer.optimizer.param_groups:  # linear warmup, then constant (nothing to resume)
-        g["lr"] = cfg.lr * min(1.0, step / max(cfg.warmup_steps, 1))
+    warmup = min(1.0, step / max(cfg.warmup_steps, 1))  # linear, then constant
+    for g in trainer.optimizer.param_groups:  # each step: a resumed state_dict brings its run's
+        g.update(lr=cfg.lr * warmup, weight_decay=cfg.weight_decay)
     if trainer.dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
@@ -432,6 +429,10 @@ def train_step(trainer, step):
     combine = {"max": max, "min": min, "sum": statistics.fmean}
     stats = {k: combine[stat_op(k)]([u[k] for u in updates]) for k in updates[0]}
     stats["micro_batches"] = passes
+    if not math.isfinite(stats["loss"] + stats["grad_norm"]):  # NaN weights: stop before a save
+        raise FloatingPointError(f"step {step} diverged (loss {stats['loss']}, grad_norm "
+                                 f"{stats['grad_norm']}): its last checkpoint stays; resume it "
+                                 f"with a lower --lr")
 
     # the step's log record, its numbers over every rank's groups
     lengths, truncated = buf["completion_mask"].sum(1).float(), buf["truncated"].float()
@@ -482,8 +483,7 @@ def finish(trainer, records):
     print(f"held-out greedy accuracy by step: {evals}")
     curves = os.path.join(cfg.out_dir, "curves.png")
     curves = curves if os.path.exists(curves) else "(pip install matplotlib)"
-    ckpt = os.path.join(cfg.out_dir, "ckpt")
-    print(f"log: {trainer.log_path}  plot: {curves}  checkpoint: {ckpt}"
+    print(f"log: {trainer.log_path}  plot: {curves}  checkpoint: {cfg.out_dir}/ckpt"
           f"  total {(time.time() - trainer.t_start) / 60:.1f} min")
     if world_size() > 1:
         # leave together: a rank tearing down gloo while rank 0 still saves aborts the job

