@@ -79,6 +79,10 @@ def pid_alive(pid):
 def prepare_out_dir(cfg):
     """Under the lock: an earlier run is refused unless --overwrite=True (remove_earlier_run clears
     it later) or --resume=True: -> its checkpoint, brought into a plain state (else None)."""
+    saves = [os.path.realpath(os.path.join(cfg.out_dir, d)) for d in RUN_FILES if "ckpt" in d]
+    if os.path.realpath(os.path.expanduser(cfg.model)) in saves:  # --overwrite or a save removes it
+        raise ValueError(f"--model={cfg.model!r} is the checkpoint in --out_dir={cfg.out_dir!r}, "
+                         f"which this run would replace: copy it elsewhere, or use another out_dir")
     if cfg.overwrite:
         return None
     if not cfg.resume:
@@ -397,8 +401,8 @@ def plot_curves(records, out_dir):
 
 
 def open_trackers(cfg, step):
-    """Rank 0, before the model loads: --report_to's writers from `step` on (purge_step hides the
-    steps a resumed run redoes)."""
+    """Rank 0, the model loaded (--overwrite's removal is behind): --report_to's writers from `step`
+    on (purge_step hides the steps a resumed run redoes)."""
     names = cfg.report_to.split(",") if rank() == 0 else []
     if "tensorboard" in names:
         from torch.utils.tensorboard import SummaryWriter

@@ -86,7 +86,7 @@ deterministic = False  # deterministic kernels: the same log for the same comman
 lora_r = 0  # LoRA rank (0 = full fine-tuning)
 lora_alpha = 32  # the adapters' scale is lora_alpha / lora_r (TRL's default, as the dropout's)
 lora_dropout = 0.05  # dropout on each adapter's input
-lora_target_modules = ""  # comma-separated module names ("" = q,k,v,o,gate,up,down_proj)
+lora_target_modules = ""  # comma-separated names ("" or all-linear: q,k,v,o,gate,up,down_proj)
 # eval, logging, checkpoints, torchrun
 eval_every = 10  # held-out greedy eval every N steps, and at step 0 and the last (0: only those)
 eval_size = 100  # held-out prompts
@@ -183,6 +183,8 @@ AUTO_TOKENS = 32768  # the largest micro-batch auto picks, and the CPU's
 def check_model(name):
     """a --model that looks like a path must be an HF directory: from_pretrained would take a
     missing path for a hub id (and retry the hub), one without tokenizer files for sentencepiece"""
+    if not name.strip():
+        return ["--model='': name a model (an HF directory, a hub id, or smollm2: the default)"]
     path = os.path.expanduser(name)
     local = (name.startswith((".", "/", "~")) or os.path.exists(path) or name.count("/") > 1
              or ("/" in name and os.path.isdir(name.split("/")[0])))  # a hub id: name or org/name
@@ -198,6 +200,12 @@ def check_model(name):
     if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
         missing += [f"no tokenizer files in {path} (want one of {', '.join(TOKENIZER_FILES)}; "
                     f"tokenizer.save_pretrained(DIR) writes them)"]
+    tok_config = os.path.join(path, "tokenizer_config.json")
+    if not glob.glob(os.path.join(path, "chat_template.*")) and not (
+            os.path.exists(tok_config) and '"chat_template"' in open(tok_config).read()):
+        missing += ["its tokenizer has no chat template (a base model?), and every prompt is a "
+                    "chat turn: use the model's instruct version, or set tokenizer.chat_template "
+                    "and save_pretrained it"]
     return [f"--model={name!r}: {m}" for m in missing]
 
 
@@ -242,8 +250,8 @@ def check_config(cfg):
     gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.logprob_impl == "fused" and not gpu and os.environ.get("TRITON_INTERPRET") != "1":
         errors += ["--logprob_impl='fused' on the CPU needs TRITON_INTERPRET=1 (slow): use chunked"]
-    if not cfg.out_dir:
-        errors += ["--out_dir='': name a directory"]
+    if not cfg.out_dir or (os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir)):
+        errors += [f"--out_dir={cfg.out_dir!r}: name a directory (new, or an earlier run's)"]
     if cfg.resume and cfg.overwrite:
         errors += ["--resume=True and --overwrite=True: continue the run or replace it, not both"]
     elif cfg.resume and not os.path.isdir(cfg.out_dir):

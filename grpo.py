@@ -330,11 +330,10 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
     tokenizer = checkpoint.load_tokenizer(ckpt or base)
     check_prompt_lengths(tokenizer, make_prompts, eval_set, cfg.max_prompt_len)
     plan_memory(cfg, base, world, dev, dt, resuming=ckpt is not None)
-    if r == 0 and cfg.overwrite:  # (only now: a run refused above keeps the earlier one)
+    policy, ref_model = load_models(cfg, base, ckpt, dev, dt)
+    if r == 0 and cfg.overwrite:  # only now: a run refused or failed above keeps the earlier one
         checkpoint.remove_earlier_run(cfg)
     checkpoint.open_trackers(cfg, state["step"] if state else 0)  # train's finally closes them
-
-    policy, ref_model = load_models(cfg, base, ckpt, dev, dt)
     optimizer, master = make_optimizer(policy, cfg, dt)
     stop = stop_token_ids(policy, tokenizer)
     print(f"completions end at: {dict(zip(tokenizer.convert_ids_to_tokens(stop), stop))}, "

@@ -18,13 +18,21 @@ PREFIX = "base_model.model."  # how a PeftModel names the adapter weights it sav
 
 
 def targets(spec):
-    """--lora_target_modules: comma-separated module names; "" means TARGETS (attention + MLP)."""
-    return tuple(t.strip() for t in spec.split(",") if t.strip()) or TARGETS
+    """--lora_target_modules: comma-separated module names; "" or PEFT's "all-linear" means TARGETS
+    (attention + MLP: every Linear but lm_head)."""
+    names = tuple(t.strip() for t in spec.split(",") if t.strip())
+    return TARGETS if names in ((), ("all-linear",)) else names
 
 
 def add_lora(model, r, alpha, dropout, targets=TARGETS):
     """Float32 LoRA adapters on every module whose name ends in one of targets; all else frozen."""
     from peft import LoraConfig, inject_adapter_in_model
+    linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in linear)]
+    if missing and targets != TARGETS:  # named ones: PEFT adapts those it finds, silent on the rest
+        have = sorted({n.rsplit(".", 1)[-1] for n in linear})
+        raise ValueError(f"--lora_target_modules: no Linear module of this model is named "
+                         f"{', '.join(missing)} (its Linear modules: {', '.join(have)})")
     model.requires_grad_(False)
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets),
                         bias="none", task_type="CAUSAL_LM")

@@ -2581,12 +2581,17 @@ def test_rollout_in_waves_equals_one_call():
 def test_lora_gradients_equal_peft():
     """LoRA through our trainer's forward (kv_reuse on and off, the chunked and the fused log-prob kernel, gradient
     checkpointing on) gives the adapters the gradients PEFT's own forward/backward gives them on the same batch, and
-    the frozen base none; lora.disabled() is the base model"""
+    the frozen base none; lora.disabled() is the base model. A target no Linear module is named is refused
+    (PEFT adapts the others and says nothing); "all-linear" is the seven projections"""
     if not _have("peft"):
         raise Skip("peft not installed")
     import batching
     import lora
     ours, pm = _lora_pair()
+    assert lora.targets("all-linear") == lora.targets("") == lora.TARGETS  # (PEFT's name for them)
+    for bad in ("q_proj,v_prj", "mlp"):  # a typo, or a module that is no Linear: said, not half-adapted
+        assert_raises(ValueError, lambda: lora.add_lora(_kv_model("llama"), 4, 8, 0.0, lora.targets(bad)),
+                      "no Linear module of this model is named")
     G = 3
     prompt_ids, prompt_mask, completion_ids, completion_mask = _kv_batch(G=G, seed=7)
     keep = completion_mask.bool()
@@ -3334,6 +3339,9 @@ def test_grpo_config_checked_before_anything_loads():
         assert why in line and str(config.parse_config([f"--{k}={v}"]).__dict__[k]) in line, (k, msg)
     assert "no such directory" in msg and not os.path.exists(out), msg
     cfg = lambda *a: config.resolve(config.parse_config(list(a)))  # noqa: E731
+    assert_raises(ValueError, lambda: cfg("--model="), "--model='': name a model")  # (an unset $MODEL)
+    assert_raises(ValueError, lambda: cfg(f"--out_dir={os.path.join(_tiny_model_dir(), 'config.json')}"),
+                  "name a directory")  # a file
     assert_raises(ValueError, lambda: cfg("--task=countdown", "--difficulty=30"), "--difficulty=30: countdown "
                   f"samples difficulty 1..{tasks.MAX_DIFFICULTY['countdown']}")
     t0 = time.time()  # the generator itself is bounded: at difficulty 30 it used to run for hours
@@ -3359,6 +3367,9 @@ def test_grpo_config_checked_before_anything_loads():
             shutil.copy(os.path.join(_tiny_model_dir(), f), no_tok)
     assert_raises(ValueError, lambda: cfg(f"--model={no_tok}"), "no tokenizer files")
     assert_raises(ValueError, lambda: cfg(f"--model={tempfile.mkdtemp()}"), "no config.json")
+    no_chat = shutil.copytree(_tiny_model_dir(), os.path.join(tempfile.mkdtemp(), "base"),
+                              ignore=shutil.ignore_patterns("chat_template.*"))
+    assert_raises(ValueError, lambda: cfg(f"--model={no_chat}"), "no chat template")
     cfg(f"--model={_tiny_model_dir()}", "--device=cpu")  # the real one passes
     assert_raises(ValueError, lambda: cfg("--resume=True", f"--out_dir={out}"), "no --out_dir")
     out = tempfile.mkdtemp()  # a too-small max_prompt_len: said after the tokenizer, before the model, loads
@@ -3769,7 +3780,8 @@ def test_grpo_diverged_step_stops_before_its_save():
 
 @check
 def test_grpo_out_dir_never_overwritten_and_locked():
-    """an earlier run is refused without --resume/--overwrite (and untouched); --overwrite replaces it; a live run's
+    """an earlier run is refused without --resume/--overwrite (and untouched); --overwrite replaces it, once the new
+    run's model has loaded (one failing before keeps it); a live run's
     LOCK keeps a second run out, a dead run's LOCK (same host) is taken over, also one naming this process's own pid
     (a run killed before a restart that handed its pid on), another host's is refused"""
     import json
@@ -3780,6 +3792,19 @@ def test_grpo_out_dir_never_overwritten_and_locked():
     before = {f: os.path.getmtime(os.path.join(out, f)) for f in ("log.jsonl", "ckpt")}
     res, _ = _train_output(_train_args(out, 1))
     assert isinstance(res, ValueError) and "--overwrite=True" in str(res) and "log.jsonl" in str(res), res
+    assert before == {f: os.path.getmtime(os.path.join(out, f)) for f in before} and "LOCK" not in os.listdir(out)
+    import grpo  # an --overwrite=True run that fails before its model has loaded keeps the earlier run
+    load_models = grpo.load_models
+    grpo.load_models = lambda *a: (_ for _ in ()).throw(RuntimeError("the weights do not load"))
+    try:
+        res, _ = _train_output(_train_args(out, 1, "--overwrite=True"))
+    finally:
+        grpo.load_models = load_models
+    assert isinstance(res, RuntimeError), res
+    assert before == {f: os.path.getmtime(os.path.join(out, f)) for f in before} and "LOCK" not in os.listdir(out)
+    for more in ((), ("--overwrite=True",), ("--resume=True",)):  # a model that is out_dir's own checkpoint
+        res, _ = _train_output(_train_args(out, 1, *more)[1:] + [f"--model={out}/ckpt"])
+        assert isinstance(res, ValueError) and "is the checkpoint in" in str(res), res
     assert before == {f: os.path.getmtime(os.path.join(out, f)) for f in before} and "LOCK" not in os.listdir(out)
     res, log = _train_output(_train_args(out, 1, "--overwrite=True", "--eval_every=0", "--save_every=0",
                                          "--max_steps=1", "--seed=7"))
