@@ -341,6 +341,14 @@ def read_log(path, step):
     return [r for r in records if r["step"] <= step]
 
 
+def flat_steps(records):
+    """the steps in a row at the log's end that sampled no group with reward spread"""
+    n = 0
+    while n < len(records) and records[-1 - n].get("sampled_frac_reward_zero_std") == 1.0:
+        n += 1
+    return n
+
+
 def write_log(path, records):
     """All of log.jsonl at once, through a rename: a kill leaves the old file, not an empty one."""
     with open(path + ".tmp", "w") as f:

@@ -364,7 +364,7 @@ def run(cfg, dev, dt, make_prompts, reward_fn, eval_set, t_start):
         checkpoint.write_log(trainer.log_path, records)
     pbar = tqdm(range(step + 1, cfg.max_steps + 1), initial=step, total=cfg.max_steps,
                 desc="grpo", dynamic_ncols=True, disable=r != 0)
-    flat = 0  # steps in a row that sampled no group with reward spread
+    flat = rank0_value(checkpoint.flat_steps(records))  # (a resumed run's log counts too)
     for step in pbar:
         rec = train_step(trainer, step)
         minutes = (time.time() - t_start) / 60

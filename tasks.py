@@ -120,8 +120,7 @@ def countdown_prompts(n, seed, difficulty):
     """difficulty + 1 numbers in 1..20 and a target reachable with + - * using each number once (it
     is built that way). A draw is kept only if its target is in 1..200, which gets rarer with every
     number: MAX_DIFFICULTY bounds it. The example is (sorted numbers, target)."""
-    rng = random.Random(seed)
-    out, tries = [], 0
+    rng, out, tries = random.Random(seed), [], 0
     while len(out) < n:
         tries += 1
         if tries > 1000 + 100 * n:
@@ -212,6 +211,9 @@ def read_rows(spec, split="train"):
         if not any(k in r for k in QUESTION_KEYS) or not any(k in r for k in ANSWER_KEYS):
             raise ValueError(f"{spec} row {i} has no question ({'/'.join(QUESTION_KEYS)}) or no "
                              f"answer ({'/'.join(ANSWER_KEYS)}) field: it has {sorted(r)[:10]}")
+        if not isinstance(next(r[k] for k in QUESTION_KEYS if k in r), (str, int, float)):
+            raise ValueError(f"{spec} row {i}: its question is not text (chat messages, TRL's "
+                             f"conversational form?): give the question as a string")
     if not rows:
         raise ValueError(f"{spec}: no rows")
     return rows
@@ -393,9 +395,7 @@ def reward_names(spec):
 
 def parse_weights(spec, n):
     """--reward_weights="1,0.2" -> [1.0, 0.2]; "" -> all 1"""
-    if not spec:
-        return [1.0] * n
-    w = [float(x) for x in spec.split(",")]
+    w = [float(x) for x in spec.split(",")] if spec else [1.0] * n
     if len(w) != n or not all(math.isfinite(x) for x in w):
         raise ValueError(f"--reward_weights={spec!r}: want {n} finite numbers, one per --reward")
     return w

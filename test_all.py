@@ -2227,7 +2227,8 @@ def test_grpo_same_seed_same_log_and_deterministic_flag():
 @check
 def test_grpo_stops_when_no_group_carries_signal():
     """max_flat_steps: a run whose every sampled group has equal rewards (no advantage, no gradient) stops after that
-    many such steps in a row, says why, and still evaluates and logs its last step; 0 never stops"""
+    many such steps in a row, says why, and still evaluates and logs its last step (a resumed run counting its log's
+    flat steps); 0 never stops"""
     import tempfile
     d = tempfile.mkdtemp(prefix="nanogrpo_flat_")
     with open(os.path.join(d, "flat.py"), "w") as f:
@@ -2240,6 +2241,11 @@ def test_grpo_stops_when_no_group_carries_signal():
     assert "stopped after step 2: for 2 steps in a row every sampled group's rewards were equal" in log, log[-800:]
     res = _quiet_train(args("--max_flat_steps=0"))
     assert [r["step"] for r in res.records] == list(range(7)), [r["step"] for r in res.records]
+    out = tempfile.mkdtemp(prefix="nanogrpo_flat_")  # stopped at step 2 and resumed: the log's flat steps count
+    flat = (f"--reward={d}/flat.py:zero", "--eval_every=0", "--max_flat_steps=3")
+    _quiet_train(_train_args(out, 2, *flat))
+    res = _quiet_train(_train_args(out, 6, *flat, "--resume=True"))
+    assert res.records[-1]["step"] == 3, [r["step"] for r in res.records]
 
 
 def _lora_pair(arch="qwen2", r=4, alpha=8.0):
@@ -3007,6 +3013,9 @@ def test_tasks_jsonl_task_end_to_end_with_plugin_rewards():
                                                             {"prompt": "2+2?", "answer": "4"})]
     assert_raises(ValueError, lambda: tasks.read_rows("jsonl:" + _write(os.path.join(d, "bad.jsonl"), '{"q": 1}\n')),
                   "no question")
+    chat = {"prompt": [{"role": "user", "content": "2+2?"}], "solution": "4"}  # TRL's conversational form: said,
+    assert_raises(ValueError, lambda: tasks.read_rows("jsonl:" + _write(os.path.join(d, "chat.jsonl"),  # not pasted
+                                                                         json.dumps(chat) + "\n")), "row 1")
     fake = SimpleNamespace(load_dataset=lambda name, config, split: [{"problem": f"{name}/{config}/{split}",
                                                                       "solution": "#### 7"}])
     real, sys.modules["datasets"] = sys.modules.get("datasets"), fake  # hf:NAME[:config] without a network
