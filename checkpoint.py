@@ -76,13 +76,17 @@ def pid_alive(pid):
         return True
 
 
+def refuse_own_checkpoint(cfg):
+    """a --model that is out_dir's checkpoint, which --overwrite or the run's first save removes"""
+    saves = [os.path.realpath(os.path.join(cfg.out_dir, d)) for d in RUN_FILES if "ckpt" in d]
+    if os.path.realpath(os.path.expanduser(cfg.model)) in saves:
+        raise ValueError(f"--model={cfg.model!r} is the checkpoint in --out_dir={cfg.out_dir!r}, "
+                         f"which this run would replace: copy it elsewhere, or use another out_dir")
+
+
 def prepare_out_dir(cfg):
     """Under the lock: an earlier run is refused unless --overwrite=True (remove_earlier_run clears
     it later) or --resume=True: -> its checkpoint, brought into a plain state (else None)."""
-    saves = [os.path.realpath(os.path.join(cfg.out_dir, d)) for d in RUN_FILES if "ckpt" in d]
-    if os.path.realpath(os.path.expanduser(cfg.model)) in saves:  # --overwrite or a save removes it
-        raise ValueError(f"--model={cfg.model!r} is the checkpoint in --out_dir={cfg.out_dir!r}, "
-                         f"which this run would replace: copy it elsewhere, or use another out_dir")
     if cfg.overwrite:
         return None
     if not cfg.resume:
@@ -343,10 +347,8 @@ def read_log(path, step):
 
 def flat_steps(records):
     """the steps in a row at the log's end that sampled no group with reward spread"""
-    n = 0
-    while n < len(records) and records[-1 - n].get("sampled_frac_reward_zero_std") == 1.0:
-        n += 1
-    return n
+    flat = (r.get("sampled_frac_reward_zero_std") == 1.0 for r in reversed(records))
+    return next((i for i, f in enumerate(flat) if not f), len(records))
 
 
 def write_log(path, records):

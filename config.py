@@ -152,8 +152,8 @@ RANGES = {  # key: (is the value valid?, the valid range as an error states it)
                  "off_policy_mask_threshold", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                  "vespo_lambda_neg")},
     "grad_clip": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no clipping)"),
-    "delta": (lambda v: v == 0 or (finite(v) and v > 1), "0 (off) or above 1 (the ratio starts "
-              "at 1: a cap at or below it leaves a positive advantage no gradient)"),
+    "delta": (lambda v: v == 0 or (finite(v) and v >= 1), "0 (off) or at least 1 (the ratio "
+              "starts at 1: a cap below it leaves a positive advantage no gradient)"),
     "epsilon": (lambda v: 0 <= v <= 1, "in [0, 1] (the ratio is clipped below at 1 - epsilon)"),
     "beta": (lambda v: finite(v) and v >= 0, "finite and >= 0 (0 = no KL, no reference model)"),
     "top_p": (lambda v: 0 < v <= 1,
@@ -200,8 +200,8 @@ def check_model(name):
     if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
         missing += [f"no tokenizer files in {path} (want one of {', '.join(TOKENIZER_FILES)}; "
                     f"tokenizer.save_pretrained(DIR) writes them)"]
-    tok_config = os.path.join(path, "tokenizer_config.json")
-    if not glob.glob(os.path.join(path, "chat_template.*")) and not (
+    tok_config = os.path.join(path, "tokenizer_config.json")  # (or chat_template.jinja, .json, ...)
+    if not glob.glob(os.path.join(path, "*chat_template*")) and not (
             os.path.exists(tok_config) and '"chat_template"' in open(tok_config).read()):
         missing += ["its tokenizer has no chat template (a base model?), and every prompt is a "
                     "chat turn: use the model's instruct version, or set tokenizer.chat_template "

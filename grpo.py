@@ -285,6 +285,7 @@ def train(argv):
     t_start = time.time()
     cfg = parse_config(argv)
     dev, dt = resolve(cfg)  # every value checked: a bad one is refused before anything loads
+    checkpoint.refuse_own_checkpoint(cfg)  # (training's own check: sample.py reads such a model)
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS's first call
         torch.use_deterministic_algorithms(True)  # e.g. attention backward without atomics
@@ -398,7 +399,7 @@ def train_step(trainer, step):
     from batching import prepare_buffer, update_step
     cfg, policy = trainer.cfg, trainer.policy
     warmup = min(1.0, step / max(cfg.warmup_steps, 1))  # linear, then constant
-    for g in trainer.optimizer.param_groups:  # each step: a resumed state_dict brings its run's
+    for g in trainer.optimizer.param_groups:  # set each step: a resumed state_dict has old values
         g.update(lr=cfg.lr * warmup, weight_decay=cfg.weight_decay)
     if trainer.dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -429,9 +430,8 @@ def train_step(trainer, step):
     stats = {k: combine[stat_op(k)]([u[k] for u in updates]) for k in updates[0]}
     stats["micro_batches"] = passes
     if not math.isfinite(stats["loss"] + stats["grad_norm"]):  # NaN weights: stop before a save
-        raise FloatingPointError(f"step {step} diverged (loss {stats['loss']}, grad_norm "
-                                 f"{stats['grad_norm']}): its last checkpoint stays; resume it "
-                                 f"with a lower --lr")
+        raise FloatingPointError(f"step {step} diverged (loss {stats['loss']:.3g}, grad_norm "
+                                 f"{stats['grad_norm']:.3g}): not saved; resume with a lower --lr")
 
     # the step's log record, its numbers over every rank's groups
     lengths, truncated = buf["completion_mask"].sum(1).float(), buf["truncated"].float()
@@ -482,7 +482,8 @@ def finish(trainer, records):
     print(f"held-out greedy accuracy by step: {evals}")
     curves = os.path.join(cfg.out_dir, "curves.png")
     curves = curves if os.path.exists(curves) else "(pip install matplotlib)"
-    print(f"log: {trainer.log_path}  plot: {curves}  checkpoint: {cfg.out_dir}/ckpt"
+    ckpt = os.path.join(cfg.out_dir, "ckpt")
+    print(f"log: {trainer.log_path}  plot: {curves}  checkpoint: {ckpt}"
           f"  total {(time.time() - trainer.t_start) / 60:.1f} min")
     if world_size() > 1:
         # leave together: a rank tearing down gloo while rank 0 still saves aborts the job

@@ -2587,17 +2587,12 @@ def test_rollout_in_waves_equals_one_call():
 def test_lora_gradients_equal_peft():
     """LoRA through our trainer's forward (kv_reuse on and off, the chunked and the fused log-prob kernel, gradient
     checkpointing on) gives the adapters the gradients PEFT's own forward/backward gives them on the same batch, and
-    the frozen base none; lora.disabled() is the base model. A target no Linear module is named is refused
-    (PEFT adapts the others and says nothing); "all-linear" is the seven projections"""
+    the frozen base none; lora.disabled() is the base model"""
     if not _have("peft"):
         raise Skip("peft not installed")
     import batching
     import lora
     ours, pm = _lora_pair()
-    assert lora.targets("all-linear") == lora.targets("") == lora.TARGETS  # (PEFT's name for them)
-    for bad in ("q_proj,v_prj", "mlp"):  # a typo, or a module that is no Linear: said, not half-adapted
-        assert_raises(ValueError, lambda: lora.add_lora(_kv_model("llama"), 4, 8, 0.0, lora.targets(bad)),
-                      "no Linear module of this model is named")
     G = 3
     prompt_ids, prompt_mask, completion_ids, completion_mask = _kv_batch(G=G, seed=7)
     keep = completion_mask.bool()
@@ -2627,6 +2622,20 @@ def test_lora_gradients_equal_peft():
     assert_close(logp, base, 1e-5, "adapters disabled")
     assert (logp - ref).abs().max() > 1e-3, "disabling the adapters changed nothing: the check cannot fail"
     assert all(p.requires_grad == ("lora_" in n) for n, p in ours.named_parameters()), "adapters left off"
+
+
+@check
+def test_lora_targets_named_are_found():
+    """a --lora_target_modules name no Linear module has is refused, naming those it has (PEFT adapts the others and
+    says nothing); PEFT's "all-linear" is the seven projections; the default list is not checked"""
+    if not _have("peft"):
+        raise Skip("peft not installed")
+    import lora
+    assert lora.targets("all-linear") == lora.targets("") == lora.TARGETS
+    for bad in ("q_proj,v_prj", "mlp"):  # a typo, or a module that is no Linear
+        assert_raises(ValueError, lambda: lora.add_lora(_kv_model("llama"), 4, 8, 0.0, lora.targets(bad)),
+                      "no Linear module of this model is named")
+    lora.add_lora(_kv_model("llama"), 4, 8, 0.0, lora.targets("q_proj,self_attn.v_proj"))  # a dotted name too
 
 
 @check
@@ -3333,7 +3342,7 @@ def test_grpo_config_checked_before_anything_loads():
            "prompts_per_step": ("0", ">= 1"), "num_iterations": ("0", ">= 1"), "max_steps": ("0", ">= 1"),
            "max_completion_len": ("0", ">= 1"), "group_size": ("1", ">= 2"), "eval_size": ("0", ">= 1"),
            "grad_clip": ("1e999", "finite"), "loss_type": ("ppo", "one of"), "seed": ("-1", "[0, 2**32)"),
-           "delta": ("0.5", "above 1")}
+           "delta": ("0.5", "at least 1")}
     out = os.path.join(tempfile.mkdtemp(), "never_made")
     args = [f"--{k}={v}" for k, (v, _) in bad.items()] + [f"--out_dir={out}", "--model=./no/such/model_dir"]
     t0 = time.time()
@@ -3379,6 +3388,12 @@ def test_grpo_config_checked_before_anything_loads():
     no_chat = shutil.copytree(_tiny_model_dir(), os.path.join(tempfile.mkdtemp(), "base"),
                               ignore=shutil.ignore_patterns("chat_template.*"))
     assert_raises(ValueError, lambda: cfg(f"--model={no_chat}"), "no chat template")
+    import json
+    with open(os.path.join(no_chat, "tokenizer_config.json")) as f:  # older models keep it in tokenizer_config
+        tok_config = json.load(f)
+    with open(os.path.join(no_chat, "tokenizer_config.json"), "w") as f:
+        json.dump(dict(tok_config, chat_template="{{ messages[0]['content'] }}"), f)
+    cfg(f"--model={no_chat}", "--device=cpu")
     cfg(f"--model={_tiny_model_dir()}", "--device=cpu")  # the real one passes
     assert_raises(ValueError, lambda: cfg("--resume=True", f"--out_dir={out}"), "no --out_dir")
     out = tempfile.mkdtemp()  # a too-small max_prompt_len: said after the tokenizer, before the model, loads
